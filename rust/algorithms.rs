@@ -1,0 +1,643 @@
+//! The collectives, built on the segment's chunk slots and the step protocol of `sync.rs`.
+//!
+//! Every collective streams its message through the per-rank chunk slots, one chunk per
+//! step (two for the large allreduce), so any message size fits a segment of a fixed size.
+//! The first step of every collective also exchanges a *descriptor* (kind, dtype, count,
+//! reduce op, root, sequence number): before reading any peer data, each rank compares
+//! all descriptors, so ranks that issued different collectives at the same position of the
+//! group's sequence, or a rank whose arguments failed validation ([`Communicator::fail`]),
+//! make every rank raise `Mismatch` after that one step. All ranks then have taken the
+//! same number of steps and the group stays usable. A timeout, a dead peer or an interrupt
+//! leaves the ranks at different steps, so it aborts the group for everyone instead.
+//!
+//! Algorithms (n = group size, S = message bytes, per-rank slot of `slot_bytes`):
+//! - allreduce, S <= [`ONE_SHOT_MAX_BYTES`] or n <= 2: one step per chunk: every rank copies its
+//!   chunk into its slot, then reduces all n slots in rank order into its output.
+//! - allreduce, larger with n > 2: the reduce-scatter + allgather decomposition of ring allreduce
+//!   (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+//!   workstations", JPDC 2009), done directly in shared memory, where every rank can read
+//!   every slot, so the n-1 ring steps of each phase collapse into one: step A, every rank
+//!   copies its chunk in and reduces its 1/n slice of it from all n slots (in rank order)
+//!   into its other slot; step B, every rank copies all n reduced slices out. Each element
+//!   is reduced by exactly one rank in rank order, so all ranks get the same bits.
+//! - allgather / gather: every rank copies its chunk in; all ranks (gather: the root) copy
+//!   all n chunks out. broadcast: the root copies in, the others copy out.
+//! - reduce: as the one-shot allreduce, only the root reduces.
+//! - reduce-scatter / alltoall: each rank copies the chunk of each of its n pieces in;
+//!   rank r reduces (alltoall: copies) piece r from every slot. scatter: the root copies
+//!   the chunk of each piece in, rank r copies piece r out.
+
+use crate::error::{Error, Result};
+use crate::reduce::{reduce_raw, DType, ReduceOp, Reduction};
+use crate::segment::{self, Segment, DESC_WORDS};
+use crate::sync::{self, WaitCtx};
+use std::path::Path;
+use std::sync::Arc;
+use std::ptr::copy_nonoverlapping;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// Allreduce messages up to this many bytes use the one-shot algorithm. Below it the
+/// second synchronisation of the two-step algorithm costs more than the redundant
+/// reduction it saves (DeepSpeed and vLLM switch in the same range; tune with
+/// `cargo bench` / `python -m flagos_shm.bench`). With 2 ranks the one-shot algorithm is
+/// used at every size: it moves fewer bytes per rank (copy in, read 2 slots, write out)
+/// than the two-step one (copy in, reduce half, copy both halves out) and syncs once.
+pub const ONE_SHOT_MAX_BYTES: usize = 256 * 1024;
+
+/// Collective kinds, as exchanged in descriptors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Kind {
+    Barrier = 1,
+    Allreduce = 2,
+    Broadcast = 3,
+    Reduce = 4,
+    Allgather = 5,
+    ReduceScatter = 6,
+    Gather = 7,
+    Scatter = 8,
+    Alltoall = 9,
+}
+
+impl Kind {
+    const ALL: [Kind; 9] = [
+        Kind::Barrier,
+        Kind::Allreduce,
+        Kind::Broadcast,
+        Kind::Reduce,
+        Kind::Allgather,
+        Kind::ReduceScatter,
+        Kind::Gather,
+        Kind::Scatter,
+        Kind::Alltoall,
+    ];
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Barrier => "barrier",
+            Kind::Allreduce => "allreduce",
+            Kind::Broadcast => "broadcast",
+            Kind::Reduce => "reduce",
+            Kind::Allgather => "allgather",
+            Kind::ReduceScatter => "reduce_scatter",
+            Kind::Gather => "gather",
+            Kind::Scatter => "scatter",
+            Kind::Alltoall => "alltoall",
+        }
+    }
+    pub fn from_name(name: &str) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| k.name() == name)
+    }
+    fn from_code(c: u8) -> Option<Kind> {
+        Kind::ALL.into_iter().find(|k| *k as u8 == c)
+    }
+}
+
+const FLAG_FAIL: u64 = 1;
+
+/// What one rank says it is doing at one sequence position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Desc {
+    kind: u8,
+    dtype: u32,
+    op: u32,
+    flags: u64,
+    count: u64,
+    root: u64,
+    seq: u64,
+}
+
+impl Desc {
+    fn words(&self) -> [u64; DESC_WORDS] {
+        [self.kind as u64 | (self.dtype as u64) << 8 | (self.op as u64) << 16, self.flags, self.count, self.root, self.seq, 0]
+    }
+    fn from_words(w: [u64; DESC_WORDS]) -> Desc {
+        Desc {
+            kind: (w[0] & 0xff) as u8,
+            dtype: ((w[0] >> 8) & 0xff) as u32,
+            op: ((w[0] >> 16) & 0xff) as u32,
+            flags: w[1],
+            count: w[2],
+            root: w[3],
+            seq: w[4],
+        }
+    }
+    fn same_call(&self, o: &Desc) -> bool {
+        (self.kind, self.dtype, self.op, self.count, self.root, self.seq) == (o.kind, o.dtype, o.op, o.count, o.root, o.seq)
+    }
+    /// Human-readable form, robust to garbage read from a misbehaving peer.
+    fn describe(&self) -> String {
+        let kind = Kind::from_code(self.kind).map_or_else(|| format!("<kind {}>", self.kind), |k| k.name().to_string());
+        if self.kind == Kind::Barrier as u8 {
+            return format!("{kind} #{}", self.seq);
+        }
+        let dtype = DType::from_code(self.dtype).map_or_else(|| format!("<dtype {}>", self.dtype), |d| d.name().to_string());
+        let mut s = format!("{kind} #{} ({dtype} x {} elements", self.seq, self.count);
+        if matches!(Kind::from_code(self.kind), Some(Kind::Allreduce | Kind::Reduce | Kind::ReduceScatter)) {
+            s += &format!(", {}", ReduceOp::from_code(self.op).map_or("<op?>", |o| o.name()));
+        }
+        if matches!(Kind::from_code(self.kind), Some(Kind::Broadcast | Kind::Reduce | Kind::Gather | Kind::Scatter)) {
+            s += &format!(", root {}", self.root);
+        }
+        s + ")"
+    }
+}
+
+/// Interrupt hook: returns `true` to stop waiting (e.g. a pending Ctrl-C in Python).
+pub type InterruptHook = Box<dyn Fn() -> bool + Send + Sync>;
+
+/// One rank's handle on a group's segment. Calls on one communicator are serialised by
+/// `&mut self`; every rank of the group must issue the same collectives in the same order.
+pub struct Communicator {
+    seg: Arc<Segment>,
+    rank: usize,
+    n: usize,
+    /// Steps this rank has arrived at so far.
+    step: u64,
+    /// Collectives issued so far.
+    seq: u64,
+    timeout: Duration,
+    /// Set after an error that desynchronised the ranks; every later call fails with it.
+    broken: Option<String>,
+    interrupt: Option<InterruptHook>,
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.3} s", d.as_secs_f64())
+}
+
+impl Communicator {
+    /// Maps the segment at `path` as `rank` of `world_size`, waits until all ranks have
+    /// attached (at most `timeout`) and unlinks the file. On any failure the file is
+    /// unlinked too, so nothing is left in the segment directory.
+    pub fn attach(path: &Path, rank: usize, world_size: usize, timeout: Duration) -> Result<Communicator> {
+        let unlink_on_err = |e: Error| {
+            let _ = std::fs::remove_file(path);
+            e
+        };
+        if rank >= world_size {
+            return Err(unlink_on_err(Error::InvalidArgument(format!("rank: expected 0..{world_size}, got {rank}"))));
+        }
+        let seg = Segment::open(path, world_size).map_err(unlink_on_err)?;
+        let me = seg.ctrl(rank);
+        if me.pid.swap(std::process::id(), Ordering::AcqRel) != 0 {
+            return Err(unlink_on_err(Error::InvalidArgument(format!(
+                "rank {rank} of segment {} is already taken by another process",
+                path.display()
+            ))));
+        }
+        let g = seg.group();
+        g.attached.fetch_add(1, Ordering::AcqRel);
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_micros(50);
+        loop {
+            let a = g.attached.load(Ordering::Acquire) as usize;
+            if a >= world_size {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let absent: Vec<usize> = (0..world_size).filter(|&r| seg.ctrl(r).pid.load(Ordering::Acquire) == 0).collect();
+                sync::abort(&seg, rank);
+                return Err(unlink_on_err(Error::Timeout(format!(
+                    "setting up shared-memory segment {}: only {a} of {world_size} ranks attached within {} (missing ranks {absent:?})",
+                    path.display(),
+                    ms(timeout)
+                ))));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
+        seg.unlink()?;
+        Ok(Communicator { seg: Arc::new(seg), rank, n: world_size, step: 0, seq: 0, timeout, broken: None, interrupt: None })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn world_size(&self) -> usize {
+        self.n
+    }
+    pub fn slot_bytes(&self) -> usize {
+        self.seg.slot_bytes()
+    }
+    pub fn segment_len(&self) -> usize {
+        self.seg.len()
+    }
+    pub fn path(&self) -> &Path {
+        self.seg.path()
+    }
+    /// Number of collectives issued so far (the next one's sequence number).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+    pub fn set_timeout(&mut self, t: Duration) {
+        self.timeout = t;
+    }
+    pub fn set_interrupt(&mut self, hook: Option<InterruptHook>) {
+        self.interrupt = hook;
+    }
+
+    /// A handle that aborts the group from another thread while this communicator is
+    /// busy in a collective.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle { seg: Arc::clone(&self.seg), rank: self.rank }
+    }
+
+    /// Aborts the group: this and every peer's pending and later calls fail.
+    pub fn abort(&mut self) {
+        sync::abort(&self.seg, self.rank);
+        self.broken.get_or_insert_with(|| format!("the group was aborted by rank {}", self.rank));
+    }
+
+    // ----- protocol plumbing -------------------------------------------------------
+
+    fn next_parity(&self) -> usize {
+        ((self.step + 1) % 2) as usize
+    }
+
+    fn slot(&self, r: usize, p: usize) -> *mut u8 {
+        self.seg.slot(r, p)
+    }
+
+    /// Starts a collective: refuses on a broken group, assigns its sequence number.
+    fn begin(&mut self, kind: Kind, dtype: DType, op: u32, count: usize, root: usize) -> Result<Desc> {
+        if let Some(b) = &self.broken {
+            return Err(Error::Aborted(format!("{}: the group is no longer usable: {b}", kind.name())));
+        }
+        if let Some(r) = sync::aborted_by(&self.seg) {
+            self.broken = Some(format!("the group was aborted by rank {r}"));
+            return Err(Error::Aborted(format!("{}: the group was aborted by rank {r}", kind.name())));
+        }
+        let d = Desc { kind: kind as u8, dtype: dtype as u32, op, flags: 0, count: count as u64, root: root as u64, seq: self.seq };
+        self.seq += 1;
+        Ok(d)
+    }
+
+    /// Arrives at the next step and waits for all ranks. With `desc`, first publishes it
+    /// and afterwards checks every rank's descriptor against it.
+    fn sync(&mut self, desc: Option<&Desc>) -> Result<()> {
+        let step = self.step + 1;
+        let parity = (step % 2) as usize;
+        if let Some(d) = desc {
+            for (w, v) in self.seg.ctrl(self.rank).desc[parity].iter().zip(d.words()) {
+                w.store(v, Ordering::Relaxed);
+            }
+        }
+        sync::arrive(&self.seg, self.rank, step);
+        self.step = step;
+        let what = desc.and_then(|d| Kind::from_code(d.kind)).map_or("collective", |k| k.name());
+        let ctx = WaitCtx {
+            what,
+            seq: self.seq.saturating_sub(1),
+            deadline: Instant::now() + self.timeout,
+            timeout: self.timeout,
+            interrupt: self.interrupt.as_deref().map(|h| h as &(dyn Fn() -> bool + Sync)),
+        };
+        if let Err(e) = sync::wait_all(&self.seg, step, &ctx) {
+            // The ranks are now at different steps: nobody can continue safely.
+            sync::abort(&self.seg, self.rank);
+            self.broken = Some(e.to_string());
+            return Err(e);
+        }
+        if let Some(d) = desc {
+            self.check_descs(d, parity)?;
+        }
+        Ok(())
+    }
+
+    fn check_descs(&self, mine: &Desc, parity: usize) -> Result<()> {
+        for r in 0..self.n {
+            if r == self.rank {
+                continue;
+            }
+            let words: [u64; DESC_WORDS] =
+                std::array::from_fn(|i| self.seg.ctrl(r).desc[parity][i].load(Ordering::Relaxed));
+            let theirs = Desc::from_words(words);
+            if mine.flags & FLAG_FAIL != 0 {
+                continue; // we are the failing rank; our caller raises its own error
+            }
+            if theirs.flags & FLAG_FAIL != 0 {
+                return Err(Error::Mismatch(format!(
+                    "{}: rank {r} rejected its arguments to {} (see the error raised on rank {r}); \
+                     no data was exchanged and the group is still usable",
+                    mine.describe(),
+                    theirs.describe()
+                )));
+            }
+            if !theirs.same_call(mine) {
+                return Err(Error::Mismatch(format!(
+                    "ranks disagree at position {} of the group's sequence: rank {} called {}, rank {r} called {}; \
+                     no output was written and the group is still usable",
+                    mine.seq,
+                    self.rank,
+                    mine.describe(),
+                    theirs.describe()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn steps(count: usize, per: usize) -> usize {
+        count.div_ceil(per.max(1)).max(1)
+    }
+
+    fn reduction(&self, dtype: DType, op: ReduceOp, factor: f64) -> Result<Reduction> {
+        Reduction::new(dtype, op, factor, self.n)
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        if root >= self.n {
+            return Err(Error::InvalidArgument(format!("root: expected a group rank in 0..{}, got {root}", self.n)));
+        }
+        Ok(())
+    }
+
+    // ----- collectives -------------------------------------------------------------
+    // Safety contract shared by every `unsafe fn` below: each pointer argument that the
+    // method's doc says is used on this rank must be valid for reads (inputs) or writes
+    // (outputs) of the stated number of elements of `dtype`, aligned to the element size,
+    // and not be accessed by anything else for the duration of the call. Inputs and
+    // outputs may be the same buffer only where the doc says so.
+
+    /// Waits until every rank has called `barrier`.
+    pub fn barrier(&mut self) -> Result<()> {
+        let d = self.begin(Kind::Barrier, DType::U8, 0, 0, 0)?;
+        self.sync(Some(&d))
+    }
+
+    /// Joins the next position of the sequence as a rank whose arguments to `kind` were
+    /// invalid: peers raise `Mismatch` naming this rank instead of waiting for it.
+    pub fn fail(&mut self, kind: Option<Kind>) -> Result<()> {
+        let mut d = self.begin(kind.unwrap_or(Kind::Barrier), DType::U8, 0, 0, 0)?;
+        d.flags = FLAG_FAIL;
+        self.sync(Some(&d))
+    }
+
+    /// In-place allreduce of `count` elements at `buf`.
+    ///
+    /// # Safety
+    /// See the contract above; `buf`: `count` elements, read and written.
+    pub unsafe fn allreduce(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
+        let red = self.reduction(dtype, op, factor)?;
+        let d = self.begin(Kind::Allreduce, dtype, op as u32, count, 0)?;
+        let es = dtype.size();
+        let per = self.seg.slot_bytes() / es;
+        let two_step = self.n > 2 && count * es > ONE_SHOT_MAX_BYTES;
+        let mut srcs = vec![std::ptr::null::<u8>(); self.n];
+        for c in 0..Self::steps(count, per) {
+            let off = c * per;
+            let len = per.min(count - off.min(count));
+            let p = self.next_parity();
+            // SAFETY: off + len <= count, so the source range is inside the caller's
+            // buffer; len * es <= slot_bytes.
+            copy_nonoverlapping(buf.add(off * es), self.slot(self.rank, p), len * es);
+            self.sync((c == 0).then_some(&d))?;
+            for (r, s) in srcs.iter_mut().enumerate() {
+                *s = self.slot(r, p);
+            }
+            if !two_step {
+                // SAFETY: every slot holds `len` elements of step p (published by the
+                // sync above); the output range is inside the caller's buffer.
+                reduce_raw(&red, buf.add(off * es), &srcs, len);
+                continue;
+            }
+            let (a, b) = slice_bounds(len, self.n, self.rank);
+            let sliced: Vec<*const u8> = srcs.iter().map(|s| s.add(a * es)).collect();
+            // SAFETY: [a, b) lies inside the chunk; our slot of the other parity is ours
+            // to write now (every rank has left the step that last read it).
+            reduce_raw(&red, self.slot(self.rank, 1 - p).add(a * es), &sliced, b - a);
+            self.sync(None)?;
+            for r in 0..self.n {
+                let (a, b) = slice_bounds(len, self.n, r);
+                // SAFETY: rank r's reduced slice [a, b) of this chunk was published by the
+                // sync above; the destination is inside the caller's buffer.
+                copy_nonoverlapping(self.slot(r, 1 - p).add(a * es), buf.add((off + a) * es), (b - a) * es);
+            }
+        }
+        Ok(())
+    }
+
+    /// In-place broadcast of `count` elements at `buf` from group rank `root`.
+    ///
+    /// # Safety
+    /// See the contract above; `buf`: `count` elements, read on the root, written elsewhere.
+    pub unsafe fn broadcast(&mut self, buf: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        let d = self.begin(Kind::Broadcast, dtype, 0, count, root)?;
+        let es = dtype.size();
+        let per = self.seg.slot_bytes() / es;
+        for c in 0..Self::steps(count, per) {
+            let off = c * per;
+            let len = per.min(count - off.min(count));
+            let p = self.next_parity();
+            if self.rank == root {
+                // SAFETY: range inside the caller's buffer; len * es <= slot_bytes.
+                copy_nonoverlapping(buf.add(off * es), self.slot(root, p), len * es);
+            }
+            self.sync((c == 0).then_some(&d))?;
+            if self.rank != root {
+                // SAFETY: the root's slot of step p was published by the sync above.
+                copy_nonoverlapping(self.slot(root, p), buf.add(off * es), len * es);
+            }
+        }
+        Ok(())
+    }
+
+    /// In-place reduce of `count` elements at `buf` to group rank `root`; only the root's
+    /// buffer is written.
+    ///
+    /// # Safety
+    /// See the contract above; `buf`: `count` elements, read everywhere, written on root.
+    pub unsafe fn reduce(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        let red = self.reduction(dtype, op, factor)?;
+        let d = self.begin(Kind::Reduce, dtype, op as u32, count, root)?;
+        let es = dtype.size();
+        let per = self.seg.slot_bytes() / es;
+        for c in 0..Self::steps(count, per) {
+            let off = c * per;
+            let len = per.min(count - off.min(count));
+            let p = self.next_parity();
+            // SAFETY: as in allreduce.
+            copy_nonoverlapping(buf.add(off * es), self.slot(self.rank, p), len * es);
+            self.sync((c == 0).then_some(&d))?;
+            if self.rank == root {
+                let srcs: Vec<*const u8> = (0..self.n).map(|r| self.slot(r, p) as *const u8).collect();
+                // SAFETY: as in allreduce.
+                reduce_raw(&red, buf.add(off * es), &srcs, len);
+            }
+        }
+        Ok(())
+    }
+
+    /// Allgather: `input` holds `count` elements; `output` receives `n * count`, rank r's
+    /// at `[r * count, (r + 1) * count)`. `input` may be rank `rank`'s part of `output`.
+    /// With `root = Some(q)` this is gather: only rank q's `output` is written (others may
+    /// pass null).
+    ///
+    /// # Safety
+    /// See the contract above.
+    unsafe fn gather_impl(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, root: Option<usize>) -> Result<()> {
+        if let Some(q) = root {
+            self.check_root(q)?;
+        }
+        let kind = if root.is_some() { Kind::Gather } else { Kind::Allgather };
+        let d = self.begin(kind, dtype, 0, count, root.unwrap_or(0))?;
+        let es = dtype.size();
+        let per = self.seg.slot_bytes() / es;
+        for c in 0..Self::steps(count, per) {
+            let off = c * per;
+            let len = per.min(count - off.min(count));
+            let p = self.next_parity();
+            // SAFETY: range inside the caller's input; len * es <= slot_bytes. (`copy`
+            // rather than `copy_nonoverlapping` is not needed: the slot is ours.)
+            copy_nonoverlapping(input.add(off * es), self.slot(self.rank, p), len * es);
+            self.sync((c == 0).then_some(&d))?;
+            if root.is_none_or(|q| q == self.rank) {
+                for r in 0..self.n {
+                    // SAFETY: rank r's slot of step p was published by the sync; the
+                    // destination range lies in `output` (n * count elements). It may
+                    // overlap `input` only for r == rank, where it receives the very
+                    // bytes already copied from there.
+                    std::ptr::copy(self.slot(r, p), output.add((r * count + off) * es), len * es);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Allgather; see [`Self::gather_impl`].
+    ///
+    /// # Safety
+    /// See the contract above; `input`: `count` elements; `output`: `n * count`.
+    pub unsafe fn allgather(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType) -> Result<()> {
+        self.gather_impl(input, output, count, dtype, None)
+    }
+
+    /// Gather to `root`; see [`Self::gather_impl`].
+    ///
+    /// # Safety
+    /// See the contract above; `input`: `count` elements; `output` (root only): `n * count`.
+    pub unsafe fn gather(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
+        self.gather_impl(input, output, count, dtype, Some(root))
+    }
+
+    /// Scatter from `root`: the root's `input` holds `n * count` elements; rank r receives
+    /// `[r * count, (r + 1) * count)` in `output` (`count` elements). Non-roots may pass a
+    /// null `input`.
+    ///
+    /// # Safety
+    /// See the contract above.
+    pub unsafe fn scatter(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        let d = self.begin(Kind::Scatter, dtype, 0, count, root)?;
+        let es = dtype.size();
+        let per = self.seg.slot_bytes() / es / self.n;
+        for c in 0..Self::steps(count, per) {
+            let off = c * per;
+            let len = per.min(count - off.min(count));
+            let p = self.next_parity();
+            if self.rank == root {
+                for r in 0..self.n {
+                    // SAFETY: n * len * es <= slot_bytes; source inside the root's input.
+                    copy_nonoverlapping(input.add((r * count + off) * es), self.slot(root, p).add(r * len * es), len * es);
+                }
+            }
+            self.sync((c == 0).then_some(&d))?;
+            // SAFETY: the root's slot of step p was published by the sync above.
+            std::ptr::copy(self.slot(root, p).add(self.rank * len * es), output.add(off * es), len * es);
+        }
+        Ok(())
+    }
+
+    /// Shared body of reduce-scatter (`red = Some`) and alltoall (`red = None`): `input`
+    /// holds n pieces of `count` elements; reduce-scatter writes the reduction of every
+    /// rank's piece `rank` into `output` (`count` elements), alltoall writes rank q's piece
+    /// `rank` to `output[q * count ..]` (`n * count` elements).
+    unsafe fn exchange(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, red: Option<Reduction>) -> Result<()> {
+        let (kind, op) = match red {
+            Some(r) => (Kind::ReduceScatter, r.op as u32),
+            None => (Kind::Alltoall, 0),
+        };
+        let d = self.begin(kind, dtype, op, count, 0)?;
+        let es = dtype.size();
+        let per = self.seg.slot_bytes() / es / self.n;
+        let mut srcs = vec![std::ptr::null::<u8>(); self.n];
+        for c in 0..Self::steps(count, per) {
+            let off = c * per;
+            let len = per.min(count - off.min(count));
+            let p = self.next_parity();
+            for q in 0..self.n {
+                // SAFETY: n * len * es <= slot_bytes; source inside `input`.
+                copy_nonoverlapping(input.add((q * count + off) * es), self.slot(self.rank, p).add(q * len * es), len * es);
+            }
+            self.sync((c == 0).then_some(&d))?;
+            for (q, s) in srcs.iter_mut().enumerate() {
+                *s = self.slot(q, p).add(self.rank * len * es);
+            }
+            match &red {
+                // SAFETY: every slot of step p is published; output range inside `output`.
+                Some(red) => reduce_raw(red, output.add(off * es), &srcs, len),
+                None => {
+                    for (q, s) in srcs.iter().enumerate() {
+                        // SAFETY: as above.
+                        std::ptr::copy(*s, output.add((q * count + off) * es), len * es);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reduce-scatter: `input` holds `n * count` elements; `output` (`count` elements)
+    /// receives the reduction over ranks of piece `rank`.
+    ///
+    /// # Safety
+    /// See the contract above.
+    pub unsafe fn reduce_scatter(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
+        let red = self.reduction(dtype, op, factor)?;
+        self.exchange(input, output, count, dtype, Some(red))
+    }
+
+    /// All-to-all: `input` and `output` hold `n * count` elements each; piece q of this
+    /// rank's input goes to rank q, and rank q's piece `rank` lands in output piece q.
+    ///
+    /// # Safety
+    /// See the contract above; `input` and `output` must not overlap.
+    pub unsafe fn alltoall(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType) -> Result<()> {
+        self.exchange(input, output, count, dtype, None)
+    }
+}
+
+/// Aborts a group without borrowing its communicator; see [`Communicator::abort_handle`].
+#[derive(Clone)]
+pub struct AbortHandle {
+    seg: Arc<Segment>,
+    rank: usize,
+}
+
+impl AbortHandle {
+    /// Marks the group aborted and wakes every waiting rank; their calls fail with
+    /// `Aborted`, and so does every later call on the group.
+    pub fn abort(&self) {
+        sync::abort(&self.seg, self.rank);
+    }
+}
+
+/// Rank `r`'s slice `[a, b)` of a chunk of `len` elements split across `n` ranks; slices
+/// are multiples of 64 elements (whole cache lines for every dtype) except the last.
+pub fn slice_bounds(len: usize, n: usize, r: usize) -> (usize, usize) {
+    let per = len.div_ceil(n).div_ceil(64) * 64;
+    let a = (r * per).min(len);
+    (a, (a + per).min(len))
+}
+
+/// Convenience for tests and benches: creates a segment and attaches all ranks of a
+/// group living in one process (threads as ranks).
+pub fn create_segment(dir: &Path, world_size: usize, slot_bytes: usize) -> Result<std::path::PathBuf> {
+    segment::create(dir, world_size, slot_bytes)
+}

@@ -1,0 +1,321 @@
+//! PyO3 binding: the extension module `flagos_shm._core`.
+//!
+//! Buffers are passed as raw addresses (`tensor.data_ptr()`) and element counts, so the
+//! Python side copies nothing; the Python layer (`flagos_shm.staging`) guarantees that
+//! each address points to contiguous host memory of the stated dtype and length, and keeps
+//! the tensor alive for the call. Every collective releases the GIL for its whole
+//! duration; while it waits it re-takes the GIL briefly every few milliseconds only to
+//! check for signals, so Ctrl-C interrupts a waiting rank (and aborts its group).
+//!
+//! Exceptions: `ValueError` for bad arguments and for ranks that disagree on a call (or a
+//! peer that rejected its arguments), `TypeError` for an unsupported dtype / reduce op,
+//! `OSError` when the segment cannot be created or mapped, `RuntimeError` for timeouts,
+//! dead peers and aborted groups, `KeyboardInterrupt` (or whatever a signal handler
+//! raised) when interrupted.
+
+use crate::algorithms::{AbortHandle, Communicator, Kind, ONE_SHOT_MAX_BYTES};
+use crate::error::Error;
+use crate::reduce::{DType, ReduceOp};
+use crate::segment::{self, DEFAULT_SLOT_BYTES};
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+type Pending = Arc<Mutex<Option<PyErr>>>;
+
+fn to_py(e: Error, pending: Option<&Pending>) -> PyErr {
+    match e {
+        Error::InvalidArgument(m) | Error::Mismatch(m) => PyValueError::new_err(m),
+        Error::Unsupported(m) => PyTypeError::new_err(m),
+        Error::Io { .. } => PyOSError::new_err(e.to_string()),
+        Error::Interrupted(_) => pending
+            .and_then(|p| p.lock().ok().and_then(|mut g| g.take()))
+            .unwrap_or_else(|| PyRuntimeError::new_err(e.to_string())),
+        Error::Timeout(m) | Error::PeerDied(m) | Error::Aborted(m) => PyRuntimeError::new_err(m),
+    }
+}
+
+fn duration(name: &str, secs: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(secs)
+        .map_err(|_| PyValueError::new_err(format!("{name}: expected a non-negative number of seconds, got {secs}")))
+}
+
+fn dtype(name: &str) -> PyResult<DType> {
+    DType::from_name(name).map_err(|e| to_py(e, None))
+}
+
+fn reduce_op(code: u32) -> PyResult<ReduceOp> {
+    ReduceOp::from_code(code).map_err(|e| to_py(e, None))
+}
+
+fn need_ptr(name: &str, ptr: usize, numel: usize, es: usize) -> PyResult<()> {
+    if numel > 0 && ptr == 0 {
+        return Err(PyValueError::new_err(format!("{name}: null buffer address for {numel} elements")));
+    }
+    if ptr % es != 0 {
+        return Err(PyValueError::new_err(format!("{name}: address {ptr:#x} is not aligned to the element size {es}")));
+    }
+    Ok(())
+}
+
+/// Creates a shared-memory segment for `world_size` ranks with `slot_bytes` per chunk
+/// slot in directory `dir` (group rank 0 only) and returns its path. The file is named
+/// `flagos_shm-<32 random hex digits>`, mode 0600, its pages reserved.
+///
+/// Raises ValueError for a bad geometry, OSError (naming the path, the bytes needed and
+/// the bytes free) when the directory cannot hold it.
+#[pyfunction]
+fn create_segment(py: Python<'_>, dir: &str, world_size: usize, slot_bytes: usize) -> PyResult<String> {
+    let dir = dir.to_owned();
+    py.detach(|| segment::create(Path::new(&dir), world_size, slot_bytes))
+        .map(|p| p.to_string_lossy().into_owned())
+        .map_err(|e| to_py(e, None))
+}
+
+/// Size in bytes of a segment for `world_size` ranks with `slot_bytes` per chunk slot.
+#[pyfunction]
+fn segment_bytes(world_size: usize, slot_bytes: usize) -> PyResult<usize> {
+    segment::check_geometry(world_size, slot_bytes).map_err(|e| to_py(e, None))?;
+    Ok(segment::segment_bytes(world_size, slot_bytes))
+}
+
+/// One rank's handle on a group's shared-memory segment (see `rust/algorithms.rs`).
+///
+/// `Communicator(path, rank, world_size, timeout_s)` maps the segment at `path`, checks
+/// its header, waits until all `world_size` ranks attached (at most `timeout_s` seconds)
+/// and unlinks the file. Collectives take buffer addresses and element counts; `dtype` is
+/// a torch dtype name, `op` torch's `RedOpType` number, `factor` PREMUL_SUM's factor,
+/// `timeout_s` overrides the communicator's timeout for one call.
+#[pyclass(name = "Communicator", module = "flagos_shm._core")]
+struct PyCommunicator {
+    inner: Mutex<Option<Communicator>>,
+    aborter: AbortHandle,
+    pending: Pending,
+    #[pyo3(get)]
+    rank: usize,
+    #[pyo3(get)]
+    world_size: usize,
+    #[pyo3(get)]
+    slot_bytes: usize,
+    #[pyo3(get)]
+    segment_bytes: usize,
+    #[pyo3(get)]
+    path: String,
+}
+
+impl PyCommunicator {
+    /// Runs `f` on the communicator with the GIL released.
+    fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        timeout_s: Option<f64>,
+        f: impl FnOnce(&mut Communicator) -> Result<R, Error> + Send,
+    ) -> PyResult<R> {
+        let t = timeout_s.map(|s| duration("timeout_s", s)).transpose()?;
+        let out = py.detach(|| {
+            let mut guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
+            let comm = guard.as_mut().ok_or_else(|| Error::Aborted("the communicator is closed".into()))?;
+            let saved = comm.timeout();
+            if let Some(t) = t {
+                comm.set_timeout(t);
+            }
+            let r = f(comm);
+            comm.set_timeout(saved);
+            r
+        });
+        out.map_err(|e| to_py(e, Some(&self.pending)))
+    }
+}
+
+#[pymethods]
+impl PyCommunicator {
+    #[new]
+    fn new(py: Python<'_>, path: &str, rank: usize, world_size: usize, timeout_s: f64) -> PyResult<Self> {
+        let timeout = duration("timeout_s", timeout_s)?;
+        let p = path.to_owned();
+        let mut comm =
+            py.detach(|| Communicator::attach(Path::new(&p), rank, world_size, timeout)).map_err(|e| to_py(e, None))?;
+        let pending: Pending = Arc::new(Mutex::new(None));
+        let hook_pending = Arc::clone(&pending);
+        comm.set_interrupt(Some(Box::new(move || {
+            Python::attach(|py| match py.check_signals() {
+                Ok(()) => false,
+                Err(e) => {
+                    *hook_pending.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    true
+                }
+            })
+        })));
+        Ok(PyCommunicator {
+            aborter: comm.abort_handle(),
+            slot_bytes: comm.slot_bytes(),
+            segment_bytes: comm.segment_len(),
+            inner: Mutex::new(Some(comm)),
+            pending,
+            rank,
+            world_size,
+            path: path.to_owned(),
+        })
+    }
+
+    /// Number of collectives issued on this communicator so far.
+    #[getter]
+    fn seq(&self, py: Python<'_>) -> u64 {
+        py.detach(|| self.inner.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |c| c.seq()))
+    }
+
+    /// Sets the default timeout of later calls, in seconds.
+    fn set_timeout(&self, py: Python<'_>, timeout_s: f64) -> PyResult<()> {
+        let t = duration("timeout_s", timeout_s)?;
+        self.run(py, None, |c| {
+            c.set_timeout(t);
+            Ok(())
+        })
+    }
+
+    /// Blocks until every rank of the group called barrier().
+    #[pyo3(signature = (timeout_s=None))]
+    fn barrier(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<()> {
+        self.run(py, timeout_s, |c| c.barrier())
+    }
+
+    /// Takes this rank's turn at the next position of the group's sequence as a rank whose
+    /// arguments to `collective` were invalid, so that peers raise ValueError instead of
+    /// waiting. `message` is for symmetry with the caller's own error and is not sent.
+    #[pyo3(signature = (collective, message="", timeout_s=None))]
+    fn fail(&self, py: Python<'_>, collective: &str, message: &str, timeout_s: Option<f64>) -> PyResult<()> {
+        let _ = message;
+        let kind = Kind::from_name(collective);
+        self.run(py, timeout_s, |c| c.fail(kind))
+    }
+
+    /// In-place allreduce of `numel` elements at address `ptr`.
+    #[pyo3(signature = (ptr, numel, dtype, op, factor=1.0, timeout_s=None))]
+    fn allreduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>) -> PyResult<()> {
+        let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
+        need_ptr("ptr", ptr, numel, dt.size())?;
+        // SAFETY: the Python layer passes the address of a live contiguous host tensor of
+        // `numel` elements of `dtype` (binding contract, module docs).
+        self.run(py, timeout_s, |c| unsafe { c.allreduce(ptr as *mut u8, numel, dt, op, factor) })
+    }
+
+    /// In-place broadcast of `numel` elements at `ptr` from group rank `root`.
+    #[pyo3(signature = (ptr, numel, dtype, root, timeout_s=None))]
+    fn broadcast(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>) -> PyResult<()> {
+        let dt = self::dtype(dtype)?;
+        need_ptr("ptr", ptr, numel, dt.size())?;
+        // SAFETY: binding contract (module docs).
+        self.run(py, timeout_s, |c| unsafe { c.broadcast(ptr as *mut u8, numel, dt, root) })
+    }
+
+    /// In-place reduce of `numel` elements at `ptr` to group rank `root` (only the root's
+    /// buffer is written).
+    #[pyo3(signature = (ptr, numel, dtype, op, root, factor=1.0, timeout_s=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, root: usize, factor: f64, timeout_s: Option<f64>) -> PyResult<()> {
+        let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
+        need_ptr("ptr", ptr, numel, dt.size())?;
+        // SAFETY: binding contract (module docs).
+        self.run(py, timeout_s, |c| unsafe { c.reduce(ptr as *mut u8, numel, dt, op, factor, root) })
+    }
+
+    /// Allgather: `in_ptr` holds `numel` elements, `out_ptr` receives `world_size * numel`
+    /// (rank r's at `[r * numel, (r + 1) * numel)`).
+    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, timeout_s=None))]
+    fn allgather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>) -> PyResult<()> {
+        let dt = self::dtype(dtype)?;
+        need_ptr("in_ptr", in_ptr, numel, dt.size())?;
+        need_ptr("out_ptr", out_ptr, numel, dt.size())?;
+        // SAFETY: binding contract (module docs).
+        self.run(py, timeout_s, |c| unsafe { c.allgather(in_ptr as *const u8, out_ptr as *mut u8, numel, dt) })
+    }
+
+    /// Reduce-scatter: `in_ptr` holds `world_size * numel` elements, `out_ptr` receives
+    /// the `numel`-element reduction of piece `rank`.
+    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, op, factor=1.0, timeout_s=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>) -> PyResult<()> {
+        let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
+        need_ptr("in_ptr", in_ptr, numel, dt.size())?;
+        need_ptr("out_ptr", out_ptr, numel, dt.size())?;
+        // SAFETY: binding contract (module docs).
+        self.run(py, timeout_s, |c| unsafe { c.reduce_scatter(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, op, factor) })
+    }
+
+    /// Gather to `root`: `in_ptr` holds `numel` elements; the root's `out_ptr` receives
+    /// `world_size * numel` (non-roots pass 0).
+    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, root, timeout_s=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn gather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>) -> PyResult<()> {
+        let dt = self::dtype(dtype)?;
+        need_ptr("in_ptr", in_ptr, numel, dt.size())?;
+        if root == self.rank {
+            need_ptr("out_ptr", out_ptr, numel, dt.size())?;
+        }
+        // SAFETY: binding contract (module docs); non-roots never touch out_ptr.
+        self.run(py, timeout_s, |c| unsafe { c.gather(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, root) })
+    }
+
+    /// Scatter from `root`: the root's `in_ptr` holds `world_size * numel` elements
+    /// (non-roots pass 0); `out_ptr` receives this rank's `numel`-element piece.
+    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, root, timeout_s=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>) -> PyResult<()> {
+        let dt = self::dtype(dtype)?;
+        if root == self.rank {
+            need_ptr("in_ptr", in_ptr, numel, dt.size())?;
+        }
+        need_ptr("out_ptr", out_ptr, numel, dt.size())?;
+        // SAFETY: binding contract (module docs); non-roots never touch in_ptr.
+        self.run(py, timeout_s, |c| unsafe { c.scatter(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, root) })
+    }
+
+    /// All-to-all: `in_ptr` and `out_ptr` hold `world_size * numel` elements each (must
+    /// not overlap); input piece q goes to rank q, rank q's piece lands in output piece q.
+    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, timeout_s=None))]
+    fn alltoall(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>) -> PyResult<()> {
+        let dt = self::dtype(dtype)?;
+        need_ptr("in_ptr", in_ptr, numel, dt.size())?;
+        need_ptr("out_ptr", out_ptr, numel, dt.size())?;
+        // SAFETY: binding contract (module docs).
+        self.run(py, timeout_s, |c| unsafe { c.alltoall(in_ptr as *const u8, out_ptr as *mut u8, numel, dt) })
+    }
+
+    /// Aborts the group: every rank's pending and later calls raise RuntimeError. Safe to
+    /// call from another thread while a collective is running.
+    fn abort(&self) {
+        self.aborter.abort();
+    }
+
+    /// Unmaps the segment; later calls raise RuntimeError. Idempotent. Waits for a running
+    /// collective on this communicator to finish (abort() first to cut it short).
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| {
+            self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+        });
+    }
+
+    #[getter]
+    fn closed(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.inner.lock().unwrap_or_else(|p| p.into_inner()).is_none())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Communicator(rank={}, world_size={}, slot_bytes={}, path={:?})", self.rank, self.world_size, self.slot_bytes, self.path)
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(create_segment, m)?)?;
+    m.add_function(wrap_pyfunction!(segment_bytes, m)?)?;
+    m.add_class::<PyCommunicator>()?;
+    m.add("DEFAULT_SLOT_BYTES", DEFAULT_SLOT_BYTES)?;
+    m.add("ONE_SHOT_MAX_BYTES", ONE_SHOT_MAX_BYTES)?;
+    m.add("SEGMENT_PREFIX", segment::NAME_PREFIX)?;
+    m.add("DTYPES", DType::ALL.iter().map(|d| d.name()).collect::<Vec<_>>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

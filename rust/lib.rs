@@ -1,0 +1,18 @@
+//! flagos_shm: lock-free shared-memory collectives for the ranks of one node.
+//!
+//! Layers, one module each: [`segment`] (the shared-memory segment and its layout) →
+//! [`sync`] (per-rank counters, waits with deadlines) → [`reduce`] (dtypes, reduce ops,
+//! kernels) and [`algorithms`] (the collectives) → `binding` (PyO3, feature `python`).
+
+pub mod algorithms;
+pub mod error;
+pub mod reduce;
+pub mod segment;
+pub mod sync;
+
+#[cfg(feature = "python")]
+mod binding;
+
+pub use algorithms::{Communicator, Kind};
+pub use error::{Error, Result};
+pub use reduce::{DType, ReduceOp, Reduction};

@@ -1,0 +1,439 @@
+//! Element types, reduce operations and the reduction kernels.
+//!
+//! Semantics (shared by every collective that reduces):
+//! - Sources are combined in rank order `0, 1, ..., n-1`; every rank that computes an
+//!   element computes it the same way, so results are bitwise identical on every rank.
+//! - `float16` and `bfloat16` accumulate in `float32` and round once at the end.
+//! - Integer SUM and PRODUCT wrap around in the tensor's own type (two's complement), as
+//!   NCCL and Gloo do. Integers accumulate in `i64`: wrapping `i64` arithmetic truncated to
+//!   the element type gives the same bits as wrapping arithmetic in that type.
+//! - AVG divides by the group size `n`. Floats: `sum / n` in the accumulation type.
+//!   Integers: the sum is computed in `i64` (exact for every type but `int64`, which wraps)
+//!   and divided by `n` rounding toward zero (C / NCCL integer division).
+//! - PREMUL_SUM (floats only): `sum_r(factor * x_r)`, the factor converted to the
+//!   accumulation type.
+//! - MIN and MAX on floats propagate NaN, like `torch.minimum` / `torch.maximum`.
+//! - BAND, BOR, BXOR: integer and bool types only. On bool, SUM and MAX are logical or,
+//!   PRODUCT and MIN logical and; AVG and PREMUL_SUM are not defined.
+
+use crate::error::{Error, Result};
+use half::{bf16, f16};
+
+/// Element type of a buffer. Discriminants are the wire codes used in descriptors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum DType {
+    F32 = 1,
+    F64 = 2,
+    F16 = 3,
+    BF16 = 4,
+    I8 = 5,
+    U8 = 6,
+    I16 = 7,
+    I32 = 8,
+    I64 = 9,
+    Bool = 10,
+}
+
+impl DType {
+    pub const ALL: [DType; 10] = [
+        DType::F32,
+        DType::F64,
+        DType::F16,
+        DType::BF16,
+        DType::I8,
+        DType::U8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::Bool,
+    ];
+
+    /// Size of one element in bytes.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F64 | DType::I64 => 8,
+            DType::F32 | DType::I32 => 4,
+            DType::F16 | DType::BF16 | DType::I16 => 2,
+            DType::I8 | DType::U8 | DType::Bool => 1,
+        }
+    }
+
+    /// The torch name of the type (`"float32"`, ...).
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::I8 => "int8",
+            DType::U8 => "uint8",
+            DType::I16 => "int16",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::Bool => "bool",
+        }
+    }
+
+    /// Parses a torch dtype name; `Unsupported` names the accepted ones otherwise.
+    pub fn from_name(name: &str) -> Result<DType> {
+        DType::ALL.into_iter().find(|d| d.name() == name).ok_or_else(|| {
+            let names: Vec<&str> = DType::ALL.iter().map(|d| d.name()).collect();
+            Error::Unsupported(format!("dtype {name:?} is not supported; expected one of {names:?}"))
+        })
+    }
+
+    pub fn from_code(code: u32) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| *d as u32 == code)
+    }
+
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F32 | DType::F64 | DType::F16 | DType::BF16)
+    }
+}
+
+/// Reduce operation; discriminants follow torch's `ReduceOp.RedOpType`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum ReduceOp {
+    Sum = 0,
+    Avg = 1,
+    Product = 2,
+    Min = 3,
+    Max = 4,
+    Band = 5,
+    Bor = 6,
+    Bxor = 7,
+    PremulSum = 8,
+}
+
+impl ReduceOp {
+    pub const ALL: [ReduceOp; 9] = [
+        ReduceOp::Sum,
+        ReduceOp::Avg,
+        ReduceOp::Product,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Band,
+        ReduceOp::Bor,
+        ReduceOp::Bxor,
+        ReduceOp::PremulSum,
+    ];
+
+    pub fn from_code(code: u32) -> Result<ReduceOp> {
+        ReduceOp::ALL
+            .into_iter()
+            .find(|o| *o as u32 == code)
+            .ok_or_else(|| Error::InvalidArgument(format!("op: unknown reduce op code {code}; expected 0..=8 (torch RedOpType)")))
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "SUM",
+            ReduceOp::Avg => "AVG",
+            ReduceOp::Product => "PRODUCT",
+            ReduceOp::Min => "MIN",
+            ReduceOp::Max => "MAX",
+            ReduceOp::Band => "BAND",
+            ReduceOp::Bor => "BOR",
+            ReduceOp::Bxor => "BXOR",
+            ReduceOp::PremulSum => "PREMUL_SUM",
+        }
+    }
+}
+
+/// A reduce op with its parameters, checked against a dtype.
+#[derive(Clone, Copy, Debug)]
+pub struct Reduction {
+    pub dtype: DType,
+    pub op: ReduceOp,
+    /// PREMUL_SUM's factor; 1.0 otherwise.
+    pub factor: f64,
+    /// Group size `n`, the divisor of AVG.
+    pub world: usize,
+}
+
+impl Reduction {
+    /// Checks that `op` is defined on `dtype` (module docs); `Unsupported` otherwise.
+    pub fn new(dtype: DType, op: ReduceOp, factor: f64, world: usize) -> Result<Reduction> {
+        let bitwise = matches!(op, ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor);
+        let ok = match dtype {
+            DType::Bool => !matches!(op, ReduceOp::Avg | ReduceOp::PremulSum),
+            d if d.is_float() => !bitwise,
+            _ => op != ReduceOp::PremulSum,
+        };
+        if !ok {
+            return Err(Error::Unsupported(format!(
+                "reduce op {} is not defined for dtype {} (bitwise ops need integer or bool tensors, \
+                 PREMUL_SUM needs floating point, AVG is not defined for bool)",
+                op.name(),
+                dtype.name()
+            )));
+        }
+        Ok(Reduction { dtype, op, factor: if op == ReduceOp::PremulSum { factor } else { 1.0 }, world })
+    }
+}
+
+/// Elements are reduced in blocks of this many so the accumulator stays in L1.
+const BLOCK: usize = 256;
+
+/// How an element type is loaded into and stored from its accumulation type.
+trait Elem: Copy {
+    type Acc: Copy + Default;
+    fn load(self) -> Self::Acc;
+    fn store(a: Self::Acc) -> Self;
+}
+
+macro_rules! elem_same {
+    ($t:ty) => {
+        impl Elem for $t {
+            type Acc = $t;
+            #[inline(always)]
+            fn load(self) -> $t {
+                self
+            }
+            #[inline(always)]
+            fn store(a: $t) -> $t {
+                a
+            }
+        }
+    };
+}
+elem_same!(f32);
+elem_same!(f64);
+
+impl Elem for f16 {
+    type Acc = f32;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn store(a: f32) -> f16 {
+        f16::from_f32(a)
+    }
+}
+impl Elem for bf16 {
+    type Acc = f32;
+    #[inline(always)]
+    fn load(self) -> f32 {
+        self.to_f32()
+    }
+    #[inline(always)]
+    fn store(a: f32) -> bf16 {
+        bf16::from_f32(a)
+    }
+}
+
+macro_rules! elem_int {
+    ($t:ty) => {
+        impl Elem for $t {
+            type Acc = i64;
+            #[inline(always)]
+            fn load(self) -> i64 {
+                self as i64
+            }
+            #[inline(always)]
+            fn store(a: i64) -> $t {
+                a as $t
+            }
+        }
+    };
+}
+elem_int!(i8);
+elem_int!(u8);
+elem_int!(i16);
+elem_int!(i32);
+elem_int!(i64);
+
+/// torch's bool: one byte holding 0 or 1. Any non-zero byte reads as true.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+struct Bool8(u8);
+impl Elem for Bool8 {
+    type Acc = u8;
+    #[inline(always)]
+    fn load(self) -> u8 {
+        (self.0 != 0) as u8
+    }
+    #[inline(always)]
+    fn store(a: u8) -> Bool8 {
+        Bool8(a)
+    }
+}
+
+/// Reduces `srcs[0..n]` (each `len` elements) into `dst` in rank order:
+/// `dst[i] = fin(comb(...comb(pre(srcs[0][i]), pre(srcs[1][i]))...))`.
+///
+/// # Safety
+/// `dst` must be valid for `len` writes and each `srcs[r]` for `len` reads of `T`, all
+/// aligned for `T`; `dst` may equal `srcs[0]` but must not otherwise overlap a source
+/// at a different offset.
+#[inline(always)]
+unsafe fn reduce_with<T: Elem>(
+    dst: *mut T,
+    srcs: &[*const T],
+    len: usize,
+    pre: impl Fn(T::Acc) -> T::Acc,
+    comb: impl Fn(T::Acc, T::Acc) -> T::Acc,
+    fin: impl Fn(T::Acc) -> T::Acc,
+) {
+    let mut acc = [T::Acc::default(); BLOCK];
+    let mut start = 0;
+    while start < len {
+        let b = BLOCK.min(len - start);
+        // SAFETY: the caller guarantees `len` readable elements per source and `len`
+        // writable elements at `dst`; `start + b <= len`.
+        let s0 = std::slice::from_raw_parts(srcs[0].add(start), b);
+        for i in 0..b {
+            acc[i] = pre(s0[i].load());
+        }
+        for src in &srcs[1..] {
+            // SAFETY: as above.
+            let s = std::slice::from_raw_parts(src.add(start), b);
+            for i in 0..b {
+                acc[i] = comb(acc[i], pre(s[i].load()));
+            }
+        }
+        // SAFETY: as above; sources were fully read into `acc` before this write, so an
+        // aliasing `dst == srcs[0]` is fine.
+        let d = std::slice::from_raw_parts_mut(dst.add(start), b);
+        for i in 0..b {
+            d[i] = T::store(fin(acc[i]));
+        }
+        start += b;
+    }
+}
+
+#[inline(always)]
+fn fmin<A: PartialOrd + Copy>(a: A, b: A) -> A {
+    // NaN-propagating: a NaN on either side wins (a != a only for NaN).
+    #[allow(clippy::eq_op)]
+    if a != a || b != b {
+        if a != a {
+            a
+        } else {
+            b
+        }
+    } else if b < a {
+        b
+    } else {
+        a
+    }
+}
+
+#[inline(always)]
+fn fmax<A: PartialOrd + Copy>(a: A, b: A) -> A {
+    #[allow(clippy::eq_op)]
+    if a != a || b != b {
+        if a != a {
+            a
+        } else {
+            b
+        }
+    } else if b > a {
+        b
+    } else {
+        a
+    }
+}
+
+macro_rules! float_reduce {
+    ($t:ty, $acc:ty, $dst:expr, $srcs:expr, $len:expr, $red:expr) => {{
+        let dst = $dst as *mut $t;
+        let srcs: Vec<*const $t> = $srcs.iter().map(|p| *p as *const $t).collect();
+        let n = $red.world as $acc;
+        let f = $red.factor as $acc;
+        let id = |a: $acc| a;
+        match $red.op {
+            ReduceOp::Sum => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a + b, id),
+            ReduceOp::Avg => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a + b, |a| a / n),
+            ReduceOp::PremulSum => reduce_with::<$t>(dst, &srcs, $len, |a| a * f, |a, b| a + b, id),
+            ReduceOp::Product => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a * b, id),
+            ReduceOp::Min => reduce_with::<$t>(dst, &srcs, $len, id, fmin, id),
+            ReduceOp::Max => reduce_with::<$t>(dst, &srcs, $len, id, fmax, id),
+            ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => unreachable!("checked by Reduction::new"),
+        }
+    }};
+}
+
+macro_rules! int_reduce {
+    ($t:ty, $dst:expr, $srcs:expr, $len:expr, $red:expr) => {{
+        let dst = $dst as *mut $t;
+        let srcs: Vec<*const $t> = $srcs.iter().map(|p| *p as *const $t).collect();
+        let n = $red.world as i64;
+        let id = |a: i64| a;
+        match $red.op {
+            ReduceOp::Sum => reduce_with::<$t>(dst, &srcs, $len, id, i64::wrapping_add, id),
+            // `wrapping_div` truncates toward zero; n >= 1.
+            ReduceOp::Avg => reduce_with::<$t>(dst, &srcs, $len, id, i64::wrapping_add, |a| a.wrapping_div(n)),
+            ReduceOp::Product => reduce_with::<$t>(dst, &srcs, $len, id, i64::wrapping_mul, id),
+            ReduceOp::Min => reduce_with::<$t>(dst, &srcs, $len, id, std::cmp::min, id),
+            ReduceOp::Max => reduce_with::<$t>(dst, &srcs, $len, id, std::cmp::max, id),
+            ReduceOp::Band => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a & b, id),
+            ReduceOp::Bor => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a | b, id),
+            ReduceOp::Bxor => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a ^ b, id),
+            ReduceOp::PremulSum => unreachable!("checked by Reduction::new"),
+        }
+    }};
+}
+
+/// Reduces `srcs` (rank order, each `len` elements of `red.dtype`) into `dst`.
+///
+/// # Safety
+/// `dst` must be valid for writes of `len` elements and every source for reads of `len`
+/// elements, all aligned to the element size; `dst` must not overlap a source except by
+/// being equal to `srcs[0]`. `srcs` must not be empty.
+pub unsafe fn reduce_raw(red: &Reduction, dst: *mut u8, srcs: &[*const u8], len: usize) {
+    debug_assert!(!srcs.is_empty());
+    if len == 0 {
+        return;
+    }
+    // SAFETY (all arms): forwarded from this function's contract; `red` was checked by
+    // `Reduction::new`, so the unreachable arms are not reached.
+    match red.dtype {
+        DType::F32 => float_reduce!(f32, f32, dst, srcs, len, red),
+        DType::F64 => float_reduce!(f64, f64, dst, srcs, len, red),
+        DType::F16 => float_reduce!(f16, f32, dst, srcs, len, red),
+        DType::BF16 => float_reduce!(bf16, f32, dst, srcs, len, red),
+        DType::I8 => int_reduce!(i8, dst, srcs, len, red),
+        DType::U8 => int_reduce!(u8, dst, srcs, len, red),
+        DType::I16 => int_reduce!(i16, dst, srcs, len, red),
+        DType::I32 => int_reduce!(i32, dst, srcs, len, red),
+        DType::I64 => int_reduce!(i64, dst, srcs, len, red),
+        DType::Bool => {
+            let dst = dst as *mut Bool8;
+            let srcs: Vec<*const Bool8> = srcs.iter().map(|p| *p as *const Bool8).collect();
+            let id = |a: u8| a;
+            match red.op {
+                ReduceOp::Sum | ReduceOp::Max | ReduceOp::Bor => reduce_with::<Bool8>(dst, &srcs, len, id, |a, b| a | b, id),
+                ReduceOp::Product | ReduceOp::Min | ReduceOp::Band => {
+                    reduce_with::<Bool8>(dst, &srcs, len, id, |a, b| a & b, id)
+                }
+                ReduceOp::Bxor => reduce_with::<Bool8>(dst, &srcs, len, id, |a, b| a ^ b, id),
+                ReduceOp::Avg | ReduceOp::PremulSum => unreachable!("checked by Reduction::new"),
+            }
+        }
+    }
+}
+
+/// Safe wrapper over [`reduce_raw`] for byte slices, used by tests and benches.
+/// Returns `InvalidArgument` when lengths disagree or a slice is misaligned.
+pub fn reduce_bytes(red: &Reduction, dst: &mut [u8], srcs: &[&[u8]]) -> Result<()> {
+    let es = red.dtype.size();
+    if srcs.is_empty() {
+        return Err(Error::InvalidArgument("srcs: need at least one source".into()));
+    }
+    if dst.len() % es != 0 || srcs.iter().any(|s| s.len() != dst.len()) {
+        return Err(Error::InvalidArgument("dst/srcs: lengths must be equal multiples of the element size".into()));
+    }
+    let aligned = |p: usize| p % es == 0;
+    if !aligned(dst.as_ptr() as usize) || srcs.iter().any(|s| !aligned(s.as_ptr() as usize)) {
+        return Err(Error::InvalidArgument("dst/srcs: buffers must be aligned to the element size".into()));
+    }
+    let ptrs: Vec<*const u8> = srcs.iter().map(|s| s.as_ptr()).collect();
+    // SAFETY: lengths and alignment checked above; `dst` is a unique borrow so it does
+    // not overlap the shared borrows in `srcs`.
+    unsafe { reduce_raw(red, dst.as_mut_ptr(), &ptrs, dst.len() / es) };
+    Ok(())
+}

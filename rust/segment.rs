@@ -1,0 +1,335 @@
+//! The shared-memory segment of one process group: creation, attachment, layout.
+//!
+//! Layout (all offsets in bytes; `LINE` = 128 so that no two ranks' hot words share a
+//! cache line or an adjacent-line prefetch pair):
+//!
+//! ```text
+//! 0                    Header        written once by the creator, read-only afterwards
+//! LINE                 GroupLine     attached count, aborted flag, futex word, sleepers
+//! 2*LINE + r*CTRL      rank r's control block (CTRL = 2*LINE):
+//!                        line 0: arrival counter (u64), pid
+//!                        line 1: two collective descriptors (one per step parity)
+//! data_offset          rank r's two chunk slots: data_offset + (2r + p) * slot_bytes
+//! ```
+//! `data_offset` is page aligned and `slot_bytes` a multiple of the page size, so the
+//! segment's size, `segment_bytes(n, slot_bytes)`, depends only on the group size and the
+//! slot size, never on tensor sizes.
+//!
+//! Lifetime: group rank 0 creates the file with `O_EXCL`, mode 0600 and an unguessable
+//! name (128 random bits from `getrandom`), reserves all its pages with
+//! `posix_fallocate` (so a full tmpfs fails here with a clear error instead of a SIGBUS
+//! later), and writes the header. The other ranks learn the path out of band (the
+//! group's c10d store), open and check it. The file is unlinked as soon as every rank has
+//! attached (see `algorithms::Communicator::attach`); the mappings stay valid.
+
+use crate::error::{Error, Result};
+use memmap2::{MmapOptions, MmapRaw};
+use std::ffi::CString;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, AtomicU64};
+
+/// `b"FLGOSSHM"` read as a little-endian u64.
+pub const MAGIC: u64 = u64::from_le_bytes(*b"FLGOSSHM");
+/// Bumped whenever the layout or the protocol changes.
+pub const VERSION: u32 = 1;
+/// Cache-line stride used to separate words written by different ranks.
+pub const LINE: usize = 128;
+/// Bytes of one rank's control block.
+pub const CTRL: usize = 2 * LINE;
+/// Page size assumed for alignment (x86-64 and aarch64 Linux base pages are <= 64 KiB;
+/// we only need 4 KiB multiples for `posix_fallocate` and huge-page-free tmpfs).
+pub const PAGE: usize = 4096;
+/// Default bytes of one chunk slot: each rank owns two, so a 4-rank group maps
+/// 4 * 2 * 512 KiB + 8 KiB ~= 4 MiB whatever the tensor sizes.
+pub const DEFAULT_SLOT_BYTES: usize = 512 * 1024;
+/// Largest accepted slot (sanity bound on a value read from shared memory or env).
+pub const MAX_SLOT_BYTES: usize = 1 << 30;
+/// Largest accepted group size.
+pub const MAX_WORLD: usize = 4096;
+/// File name prefix inside the segment directory.
+pub const NAME_PREFIX: &str = "flagos_shm-";
+
+/// Header at offset 0. Plain data, written by the creator before any other rank can know
+/// the path, never written again.
+#[repr(C)]
+struct Header {
+    magic: u64,
+    version: u32,
+    world_size: u32,
+    slot_bytes: u64,
+    total_bytes: u64,
+    creator_uid: u32,
+    creator_pid: u32,
+}
+
+/// Group-wide words, on their own line.
+#[repr(C)]
+pub struct GroupLine {
+    /// Number of ranks that have mapped the segment.
+    pub attached: AtomicU32,
+    /// Non-zero once any rank aborted the group; the value is the aborting rank + 1.
+    pub aborted: AtomicU32,
+    /// Futex word: bumped by an arriving rank when `sleepers` is non-zero.
+    pub wake: AtomicU32,
+    /// Number of ranks inside (or about to enter) a futex wait on `wake`.
+    pub sleepers: AtomicU32,
+}
+
+/// Number of u64 words in one collective descriptor.
+pub const DESC_WORDS: usize = 6;
+
+/// One rank's control block.
+#[repr(C)]
+pub struct RankCtrl {
+    /// Number of steps this rank has completed the write half of (release store).
+    pub arrived: AtomicU64,
+    /// The rank's process id, for liveness checks.
+    pub pid: AtomicU32,
+    _pad0: [u8; LINE - 12],
+    /// Descriptors of the collective this rank is in, indexed by step parity.
+    pub desc: [[AtomicU64; DESC_WORDS]; 2],
+    _pad1: [u8; LINE - 2 * DESC_WORDS * 8],
+}
+
+const _: () = assert!(std::mem::size_of::<Header>() <= LINE);
+const _: () = assert!(std::mem::size_of::<GroupLine>() <= LINE);
+const _: () = assert!(std::mem::size_of::<RankCtrl>() == CTRL);
+
+fn align_up(x: usize, a: usize) -> usize {
+    x.div_ceil(a) * a
+}
+
+/// Offset of the first chunk slot.
+pub fn data_offset(world_size: usize) -> usize {
+    align_up(2 * LINE + world_size * CTRL, PAGE)
+}
+
+/// Total bytes of a segment for `world_size` ranks with `slot_bytes` per chunk slot.
+pub fn segment_bytes(world_size: usize, slot_bytes: usize) -> usize {
+    data_offset(world_size) + 2 * world_size * slot_bytes
+}
+
+/// Checks a group size and slot size; returns a message naming the bad one.
+pub fn check_geometry(world_size: usize, slot_bytes: usize) -> Result<()> {
+    if world_size == 0 || world_size > MAX_WORLD {
+        return Err(Error::InvalidArgument(format!("world_size: expected 1..={MAX_WORLD}, got {world_size}")));
+    }
+    if slot_bytes < PAGE || slot_bytes > MAX_SLOT_BYTES || slot_bytes % PAGE != 0 {
+        return Err(Error::InvalidArgument(format!(
+            "slot_bytes: expected a multiple of {PAGE} between {PAGE} and {MAX_SLOT_BYTES}, got {slot_bytes}"
+        )));
+    }
+    if slot_bytes < world_size * 64 {
+        // reduce-scatter, scatter and alltoall put one piece per rank in a slot: keep at
+        // least 64 bytes (8 elements of the widest dtype) per piece.
+        return Err(Error::InvalidArgument(format!(
+            "slot_bytes: expected at least 64 bytes per rank ({} for {world_size} ranks), got {slot_bytes}",
+            world_size * 64
+        )));
+    }
+    Ok(())
+}
+
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let c = CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: `c` is a valid NUL-terminated path and `st` a properly sized out-parameter.
+    unsafe {
+        let mut st: libc::statvfs = std::mem::zeroed();
+        if libc::statvfs(c.as_ptr(), &mut st) == 0 {
+            Some(st.f_bavail as u64 * st.f_frsize as u64)
+        } else {
+            None
+        }
+    }
+}
+
+fn random_hex() -> Result<String> {
+    let mut buf = [0u8; 16];
+    let mut got = 0;
+    while got < buf.len() {
+        // SAFETY: writes at most `buf.len() - got` bytes into `buf[got..]`.
+        let r = unsafe { libc::getrandom(buf[got..].as_mut_ptr().cast(), buf.len() - got, 0) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(Error::io("getrandom for the segment name", e));
+        }
+        got += r as usize;
+    }
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Creates a segment file in `dir` for `world_size` ranks, reserves its pages and writes
+/// its header. Returns the path. The caller (group rank 0) publishes the path to its peers.
+///
+/// Errors: `InvalidArgument` for bad geometry; `Io` naming the path, the bytes needed and
+/// the bytes free when the directory cannot hold the segment.
+pub fn create(dir: &Path, world_size: usize, slot_bytes: usize) -> Result<PathBuf> {
+    check_geometry(world_size, slot_bytes)?;
+    let total = segment_bytes(world_size, slot_bytes);
+    let path = dir.join(format!("{NAME_PREFIX}{}", random_hex()?));
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(|e| Error::io(format!("cannot create shared-memory segment {}", path.display()), e))?;
+    let cleanup = |e: Error| {
+        let _ = std::fs::remove_file(&path);
+        e
+    };
+    // SAFETY: plain syscall on an fd we own.
+    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, total as libc::off_t) };
+    if rc != 0 {
+        let free = free_bytes(dir).map_or("unknown".to_string(), |f| f.to_string());
+        return Err(cleanup(Error::io(
+            format!(
+                "cannot reserve {total} bytes for shared-memory segment {} ({free} bytes free in {}; \
+                 free space there, or set FLAGOS_SHM_DIR to another tmpfs or FLAGOS_SHM_SLOT_BYTES lower)",
+                path.display(),
+                dir.display()
+            ),
+            io::Error::from_raw_os_error(rc),
+        )));
+    }
+    let map = MmapOptions::new()
+        .len(total)
+        .map_raw(&file)
+        .map_err(|e| cleanup(Error::io(format!("cannot map {}", path.display()), e)))?;
+    // SAFETY: the mapping is `total` bytes, page aligned, and nobody else knows the path
+    // yet, so this plain write cannot race.
+    unsafe {
+        (map.as_mut_ptr() as *mut Header).write(Header {
+            magic: MAGIC,
+            version: VERSION,
+            world_size: world_size as u32,
+            slot_bytes: slot_bytes as u64,
+            total_bytes: total as u64,
+            creator_uid: libc::geteuid(),
+            creator_pid: std::process::id(),
+        });
+    }
+    Ok(path)
+}
+
+/// A mapped, validated segment.
+pub struct Segment {
+    map: MmapRaw,
+    path: PathBuf,
+    world_size: usize,
+    slot_bytes: usize,
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics and through raw
+// copies whose ordering the protocol in `sync.rs` establishes; the struct itself holds
+// no thread-affine state.
+unsafe impl Send for Segment {}
+unsafe impl Sync for Segment {}
+
+impl Segment {
+    /// Opens and maps the segment at `path`, checking that it is a regular file owned by
+    /// this user with no group/other permissions, and that its header matches
+    /// (magic, version, `world_size`, creator uid, sizes consistent with the file size).
+    pub fn open(path: &Path, world_size: usize) -> Result<Segment> {
+        let ctx = |what: &str| format!("shared-memory segment {}: {what}", path.display());
+        let file: File = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+            .open(path)
+            .map_err(|e| Error::io(ctx("cannot open"), e))?;
+        let meta = file.metadata().map_err(|e| Error::io(ctx("cannot stat"), e))?;
+        // SAFETY: geteuid has no preconditions.
+        let uid = unsafe { libc::geteuid() };
+        if !meta.file_type().is_file() || meta.uid() != uid || meta.mode() & 0o077 != 0 {
+            return Err(Error::InvalidArgument(ctx(&format!(
+                "expected a regular file owned by uid {uid} with mode 0600, found uid {} mode {:o}",
+                meta.uid(),
+                meta.mode() & 0o7777
+            ))));
+        }
+        let len = meta.len() as usize;
+        if len < data_offset(1) {
+            return Err(Error::InvalidArgument(ctx(&format!("file is too small ({len} bytes)"))));
+        }
+        let map = MmapOptions::new().len(len).map_raw(&file).map_err(|e| Error::io(ctx("cannot map"), e))?;
+        // SAFETY: the mapping holds at least `data_offset(1)` > size_of::<Header>() bytes;
+        // the header is immutable after creation, so a plain read is race-free.
+        let h = unsafe { (map.as_ptr() as *const Header).read() };
+        let bad = |what: String| Err(Error::InvalidArgument(ctx(&what)));
+        if h.magic != MAGIC {
+            return bad(format!("bad magic {:#x}; not a flagos_shm segment", h.magic));
+        }
+        if h.version != VERSION {
+            return bad(format!("protocol version {} but this build speaks {VERSION}", h.version));
+        }
+        if h.world_size as usize != world_size {
+            return bad(format!("created for {} ranks but this group has {world_size}", h.world_size));
+        }
+        if h.creator_uid != uid {
+            return bad(format!("created by uid {} but this process runs as uid {uid}", h.creator_uid));
+        }
+        let slot = h.slot_bytes as usize;
+        check_geometry(world_size, slot).map_err(|e| Error::InvalidArgument(ctx(&e.to_string())))?;
+        if h.total_bytes as usize != segment_bytes(world_size, slot) || len != h.total_bytes as usize {
+            return bad(format!("size {len} does not match its header ({} bytes)", h.total_bytes));
+        }
+        Ok(Segment { map, path: path.to_path_buf(), world_size, slot_bytes: slot })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.map.len() == 0
+    }
+
+    pub fn group(&self) -> &GroupLine {
+        // SAFETY: offset LINE is inside the mapping (checked in `open`), 8-byte aligned,
+        // and GroupLine consists of atomics, valid for any bit pattern.
+        unsafe { &*(self.map.as_ptr().add(LINE) as *const GroupLine) }
+    }
+
+    /// Rank `r`'s control block. Panics if `r >= world_size` (callers index with ranks
+    /// they validated).
+    pub fn ctrl(&self, r: usize) -> &RankCtrl {
+        assert!(r < self.world_size, "rank {r} out of range");
+        // SAFETY: r < world_size so the block lies before data_offset(world_size), inside
+        // the mapping; RankCtrl is atomics and padding, valid for any bit pattern.
+        unsafe { &*(self.map.as_ptr().add(2 * LINE + r * CTRL) as *const RankCtrl) }
+    }
+
+    /// Start of rank `r`'s chunk slot for step parity `p` (`slot_bytes` long, page aligned).
+    pub fn slot(&self, r: usize, p: usize) -> *mut u8 {
+        assert!(r < self.world_size && p < 2, "slot ({r}, {p}) out of range");
+        // SAFETY: the offset plus slot_bytes is <= segment_bytes == the mapping length.
+        unsafe { self.map.as_mut_ptr().add(data_offset(self.world_size) + (2 * r + p) * self.slot_bytes) }
+    }
+
+    /// Removes the file name (the mapping stays valid). A missing file is not an error:
+    /// another rank may have removed it first.
+    pub fn unlink(&self) -> Result<()> {
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(Error::io(format!("cannot unlink {}", self.path.display()), e)),
+        }
+    }
+}

@@ -1,0 +1,192 @@
+//! Lock-free synchronisation between the ranks of one segment.
+//!
+//! Each rank owns one monotonically increasing counter, `RankCtrl::arrived`, on its own
+//! cache line. A collective is a sequence of *steps*; in step `s` a rank writes its
+//! contribution into its own slot of parity `s % 2`, then publishes `arrived = s` with a
+//! release store ([`arrive`]). A rank reads peers' slots of step `s` only after it has
+//! observed, with acquire loads, `arrived >= s` for every rank ([`wait_all`]), and stops
+//! reading them before it arrives at `s + 1`. Since a rank writes a slot of parity
+//! `s % 2` again only in step `s + 2`, i.e. after every rank arrived at `s + 1`, no slot
+//! is overwritten while someone still reads it. No locks are taken anywhere.
+//!
+//! Waiting spins for [`SPIN`], then yields the CPU for [`YIELD`], then sleeps on a futex
+//! (one shared word, `GroupLine::wake`, bumped by arrivals only when someone sleeps) in
+//! slices of at most [`SLEEP_SLICE`]. Between slices it checks the deadline, the group's
+//! aborted flag, whether the missing peers' processes are still alive, and the caller's
+//! interrupt hook (Ctrl-C). So 4 ranks on 2 cores make progress, an idle waiter costs no
+//! CPU, and no wait outlives its deadline.
+
+use crate::error::{Error, Result};
+use crate::segment::{GroupLine, Segment};
+use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+/// Busy-wait budget before yielding: long enough to catch a peer that is running on
+/// another core a few microseconds behind, short enough not to starve it when it shares
+/// ours.
+pub const SPIN: Duration = Duration::from_micros(20);
+/// Yield budget before sleeping on the futex.
+pub const YIELD: Duration = Duration::from_micros(200);
+/// Longest single futex sleep; bounds how late abort, liveness and interrupt checks run.
+pub const SLEEP_SLICE: Duration = Duration::from_millis(20);
+
+/// What a wait is for: used for error messages and to stop waiting.
+pub struct WaitCtx<'a> {
+    /// Collective name, e.g. `"allreduce"`.
+    pub what: &'a str,
+    /// The collective's sequence number in its group (0-based).
+    pub seq: u64,
+    pub deadline: Instant,
+    pub timeout: Duration,
+    /// Called between sleep slices; returning `true` stops the wait with `Interrupted`.
+    pub interrupt: Option<&'a (dyn Fn() -> bool + Sync)>,
+}
+
+/// Publishes that `rank` finished writing step `step`, and wakes sleepers if any.
+pub fn arrive(seg: &Segment, rank: usize, step: u64) {
+    seg.ctrl(rank).arrived.store(step, Ordering::Release);
+    wake_sleepers(seg.group());
+}
+
+fn wake_sleepers(g: &GroupLine) {
+    // The SeqCst fence orders our counter store before the `sleepers` load; a sleeper
+    // increments `sleepers` (SeqCst) before re-checking the counters, so either we see it
+    // and wake it, or it sees our store (the Dekker pattern).
+    fence(Ordering::SeqCst);
+    if g.sleepers.load(Ordering::SeqCst) > 0 {
+        g.wake.fetch_add(1, Ordering::SeqCst);
+        futex_wake(&g.wake);
+    }
+}
+
+/// Marks the group aborted by `rank` and wakes every waiter.
+pub fn abort(seg: &Segment, rank: usize) {
+    let _ = seg.group().aborted.compare_exchange(0, rank as u32 + 1, Ordering::SeqCst, Ordering::SeqCst);
+    wake_sleepers(seg.group());
+    // wake_sleepers only wakes when someone sleeps; wake unconditionally as well.
+    seg.group().wake.fetch_add(1, Ordering::SeqCst);
+    futex_wake(&seg.group().wake);
+}
+
+/// Returns the rank that aborted the group, if any.
+pub fn aborted_by(seg: &Segment) -> Option<usize> {
+    match seg.group().aborted.load(Ordering::Acquire) {
+        0 => None,
+        v => Some(v as usize - 1),
+    }
+}
+
+fn missing(seg: &Segment, step: u64) -> Vec<usize> {
+    (0..seg.world_size()).filter(|&r| seg.ctrl(r).arrived.load(Ordering::Acquire) < step).collect()
+}
+
+/// Whether process `pid` is gone (no such process, or a zombie waiting to be reaped).
+pub fn pid_dead(pid: u32) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks for existence and permission.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return true;
+    }
+    // A zombie still answers kill(0); its state letter in /proc/<pid>/stat is Z or X.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => s.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()).is_some_and(|c| c == 'Z' || c == 'X'),
+        Err(_) => false,
+    }
+}
+
+/// Waits until every rank has arrived at `step`.
+///
+/// Errors: `Aborted` if the group was aborted, `PeerDied` if a missing rank's process is
+/// gone, `Interrupted` if the interrupt hook fired, `Timeout` at the deadline. Each names
+/// the collective, its sequence number and the missing ranks.
+pub fn wait_all(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
+    let all_in = || (0..seg.world_size()).all(|r| seg.ctrl(r).arrived.load(Ordering::Acquire) >= step);
+    if all_in() {
+        return Ok(());
+    }
+    let start = Instant::now();
+    // Phase 1: spin.
+    loop {
+        for _ in 0..64 {
+            std::hint::spin_loop();
+            if all_in() {
+                return Ok(());
+            }
+        }
+        if start.elapsed() >= SPIN {
+            break;
+        }
+    }
+    // Phase 2: yield.
+    while start.elapsed() < SPIN + YIELD {
+        std::thread::yield_now();
+        if all_in() {
+            return Ok(());
+        }
+    }
+    // Phase 3: sleep on the futex, checking abort / liveness / interrupt / deadline.
+    let g = seg.group();
+    loop {
+        check_stop(seg, step, ctx)?;
+        g.sleepers.fetch_add(1, Ordering::SeqCst);
+        let w = g.wake.load(Ordering::SeqCst);
+        let done = all_in();
+        if !done {
+            let left = ctx.deadline.saturating_duration_since(Instant::now());
+            futex_wait(&g.wake, w, left.min(SLEEP_SLICE));
+        }
+        g.sleepers.fetch_sub(1, Ordering::SeqCst);
+        if done || all_in() {
+            return Ok(());
+        }
+    }
+}
+
+fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
+    let head = |m: &[usize]| format!("{} #{} (step {step})", ctx.what, ctx.seq) + &format!(": ranks {m:?} did not arrive");
+    if let Some(r) = aborted_by(seg) {
+        let m = missing(seg, step);
+        return Err(Error::Aborted(format!("{}; the group was aborted by rank {r}", head(&m))));
+    }
+    let m = missing(seg, step);
+    let dead: Vec<String> = m
+        .iter()
+        .filter_map(|&r| {
+            let pid = seg.ctrl(r).pid.load(Ordering::Relaxed);
+            pid_dead(pid).then(|| format!("rank {r} (pid {pid})"))
+        })
+        .collect();
+    if !dead.is_empty() {
+        return Err(Error::PeerDied(format!("{}; {} exited", head(&m), dead.join(", "))));
+    }
+    if let Some(hook) = ctx.interrupt {
+        if hook() {
+            return Err(Error::Interrupted(format!("{} #{}", ctx.what, ctx.seq)));
+        }
+    }
+    if Instant::now() >= ctx.deadline {
+        return Err(Error::Timeout(format!("{} within the timeout of {:.3} s", head(&m), ctx.timeout.as_secs_f64())));
+    }
+    Ok(())
+}
+
+/// Sleeps while `*word == expected`, at most `timeout`. Spurious returns are fine: the
+/// caller re-checks its condition.
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
+    // SAFETY: `word` is a valid, 4-byte aligned u32 in a shared mapping (so the
+    // non-private futex op is the right one); `ts` outlives the call.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec, 0usize, 0u32);
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: as in `futex_wait`; waking has no memory-safety preconditions.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
+    }
+}

@@ -1,0 +1,503 @@
+//! Tests of the core with threads as ranks: reduction kernels against scalar references,
+//! every collective against references computed another way, and the synchronisation
+//! protocol's failure paths (mismatch, rejected arguments, timeout, abort, bad segments).
+
+use flagos_shm::algorithms::slice_bounds;
+use flagos_shm::reduce::{reduce_bytes, DType, ReduceOp, Reduction};
+use flagos_shm::segment::{self, NAME_PREFIX};
+use flagos_shm::{Communicator, Error};
+use half::{bf16, f16};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Small deterministic generator (xorshift64*), so tests need no extra dependency.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+}
+
+fn tmpdir() -> PathBuf {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let d = std::env::temp_dir().join(format!("flagos_shm_test_{}_{k}", std::process::id()));
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Values as f64 for a dtype, generated per (rank, index): small enough that products of
+/// 4 ranks stay exact in every type, with negatives and duplicates.
+fn value(dtype: DType, rank: usize, i: usize, seed: u64) -> f64 {
+    let mut r = Rng(seed ^ ((rank as u64 + 1) << 32) ^ (i as u64 + 1).wrapping_mul(0x9E37_79B9));
+    let v = (r.next() % 9) as f64 - 4.0;
+    match dtype {
+        DType::Bool => (r.next() % 2) as f64,
+        DType::U8 => v.abs(),
+        DType::F32 | DType::F64 | DType::F16 | DType::BF16 => v * 0.5 + (r.next() % 4) as f64 * 0.125,
+        _ => v,
+    }
+}
+
+fn encode(dtype: DType, vals: &[f64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(vals.len() * dtype.size());
+    for &v in vals {
+        match dtype {
+            DType::F32 => out.extend_from_slice(&(v as f32).to_ne_bytes()),
+            DType::F64 => out.extend_from_slice(&v.to_ne_bytes()),
+            DType::F16 => out.extend_from_slice(&f16::from_f64(v).to_ne_bytes()),
+            DType::BF16 => out.extend_from_slice(&bf16::from_f64(v).to_ne_bytes()),
+            DType::I8 => out.push(v as i8 as u8),
+            DType::U8 => out.push(v as u8),
+            DType::Bool => out.push((v != 0.0) as u8),
+            DType::I16 => out.extend_from_slice(&(v as i16).to_ne_bytes()),
+            DType::I32 => out.extend_from_slice(&(v as i32).to_ne_bytes()),
+            DType::I64 => out.extend_from_slice(&(v as i64).to_ne_bytes()),
+        }
+    }
+    out
+}
+
+fn decode(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+    bytes
+        .chunks_exact(dtype.size())
+        .map(|b| match dtype {
+            DType::F32 => f32::from_ne_bytes(b.try_into().unwrap()) as f64,
+            DType::F64 => f64::from_ne_bytes(b.try_into().unwrap()),
+            DType::F16 => f16::from_ne_bytes(b.try_into().unwrap()).to_f64(),
+            DType::BF16 => bf16::from_ne_bytes(b.try_into().unwrap()).to_f64(),
+            DType::I8 => b[0] as i8 as f64,
+            DType::U8 | DType::Bool => b[0] as f64,
+            DType::I16 => i16::from_ne_bytes(b.try_into().unwrap()) as f64,
+            DType::I32 => i32::from_ne_bytes(b.try_into().unwrap()) as f64,
+            DType::I64 => i64::from_ne_bytes(b.try_into().unwrap()) as f64,
+        })
+        .collect()
+}
+
+/// Scalar reference of one reduced element: exact arithmetic in f64 (the test values keep
+/// every sum and product exact), then the dtype's rounding / wrapping rule.
+fn reference(dtype: DType, op: ReduceOp, factor: f64, xs: &[f64]) -> f64 {
+    let n = xs.len() as f64;
+    let r = match op {
+        ReduceOp::Sum => xs.iter().sum(),
+        ReduceOp::PremulSum => xs.iter().map(|x| x * factor).sum(),
+        ReduceOp::Avg if dtype.is_float() => xs.iter().sum::<f64>() / n,
+        ReduceOp::Avg => (xs.iter().sum::<f64>() / n).trunc(),
+        ReduceOp::Product => xs.iter().product(),
+        ReduceOp::Min => xs.iter().cloned().fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => xs.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Band => xs.iter().map(|&x| x as i64).fold(-1, |a, b| a & b) as f64,
+        ReduceOp::Bor => xs.iter().map(|&x| x as i64).fold(0, |a, b| a | b) as f64,
+        ReduceOp::Bxor => xs.iter().map(|&x| x as i64).fold(0, |a, b| a ^ b) as f64,
+    };
+    match dtype {
+        DType::Bool => (r != 0.0) as u8 as f64,
+        DType::F32 => r as f32 as f64,
+        DType::F16 => f16::from_f64(r).to_f64(),
+        DType::BF16 => bf16::from_f64(r).to_f64(),
+        DType::I8 => r as i64 as i8 as f64,
+        DType::U8 => r as i64 as u8 as f64,
+        DType::I16 => r as i64 as i16 as f64,
+        _ => r,
+    }
+}
+
+fn valid(dtype: DType, op: ReduceOp) -> bool {
+    Reduction::new(dtype, op, 1.0, 2).is_ok()
+}
+
+#[test]
+fn kernels_match_scalar_reference() {
+    for dtype in DType::ALL {
+        for op in ReduceOp::ALL {
+            if !valid(dtype, op) {
+                continue;
+            }
+            for n in 1..=4 {
+                for len in [0usize, 1, 3, 7, 255, 256, 257, 1000] {
+                    let srcs: Vec<Vec<f64>> = (0..n).map(|r| (0..len).map(|i| value(dtype, r, i, 1)).collect()).collect();
+                    let enc: Vec<Vec<u8>> = srcs.iter().map(|s| encode(dtype, s)).collect();
+                    // 8-byte aligned copies (Vec<u8> need not be).
+                    let aligned: Vec<Vec<u64>> = enc.iter().map(|e| to_words(e)).collect();
+                    let views: Vec<&[u8]> = aligned.iter().zip(&enc).map(|(w, e)| &bytes_of(w)[..e.len()]).collect();
+                    let mut dst_w = vec![0u64; (len * dtype.size()).div_ceil(8)];
+                    let dst = &mut bytes_of_mut(&mut dst_w)[..len * dtype.size()];
+                    let red = Reduction::new(dtype, op, 0.5, n).unwrap();
+                    reduce_bytes(&red, dst, &views).unwrap();
+                    let got = decode(dtype, dst);
+                    for i in 0..len {
+                        let xs: Vec<f64> = srcs.iter().map(|s| decode(dtype, &encode(dtype, &[s[i]]))[0]).collect();
+                        let want = reference(dtype, op, 0.5, &xs);
+                        assert_eq!(got[i], want, "{dtype:?} {op:?} n={n} len={len} i={i} xs={xs:?}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn half_types_accumulate_in_f32() {
+    // 2048 + 1 + 1 in f16: pairwise f16 rounding would give 2048 twice; f32 accumulation
+    // gives 2050, which f16 represents exactly.
+    let srcs: Vec<Vec<u8>> = [2048.0, 1.0, 1.0].iter().map(|&v| encode(DType::F16, &[v])).collect();
+    let views: Vec<&[u8]> = srcs.iter().map(|v| v.as_slice()).collect();
+    let mut dst = [0u16; 1];
+    let red = Reduction::new(DType::F16, ReduceOp::Sum, 1.0, 3).unwrap();
+    reduce_bytes(&red, bytes_of_mut16(&mut dst), &views).unwrap();
+    assert_eq!(f16::from_bits(dst[0]).to_f64(), 2050.0);
+}
+
+#[test]
+fn nan_propagates_through_min_max() {
+    for op in [ReduceOp::Min, ReduceOp::Max] {
+        let a = encode(DType::F32, &[1.0, f64::NAN]);
+        let b = encode(DType::F32, &[f64::NAN, 2.0]);
+        let mut d = [0u32; 2];
+        let red = Reduction::new(DType::F32, op, 1.0, 2).unwrap();
+        let (aw, bw) = (to_words(&a), to_words(&b));
+        reduce_bytes(&red, bytes_of_mut32(&mut d), &[&bytes_of(&aw)[..8], &bytes_of(&bw)[..8]]).unwrap();
+        assert!(f32::from_bits(d[0]).is_nan() && f32::from_bits(d[1]).is_nan(), "{op:?}");
+    }
+}
+
+#[test]
+fn undefined_ops_are_rejected() {
+    assert!(matches!(Reduction::new(DType::F32, ReduceOp::Band, 1.0, 2), Err(Error::Unsupported(_))));
+    assert!(matches!(Reduction::new(DType::I32, ReduceOp::PremulSum, 1.0, 2), Err(Error::Unsupported(_))));
+    assert!(matches!(Reduction::new(DType::Bool, ReduceOp::Avg, 1.0, 2), Err(Error::Unsupported(_))));
+    assert!(Reduction::new(DType::Bool, ReduceOp::Bxor, 1.0, 2).is_ok());
+}
+
+#[test]
+fn slices_cover_the_chunk_exactly() {
+    for len in [0, 1, 63, 64, 65, 1000, 4097] {
+        for n in 1..=5 {
+            let mut next = 0;
+            for r in 0..n {
+                let (a, b) = slice_bounds(len, n, r);
+                assert_eq!(a, next.min(len));
+                assert!(a <= b && b <= len);
+                next = b;
+            }
+            assert_eq!(next, len, "len={len} n={n}");
+        }
+    }
+}
+
+fn to_words(b: &[u8]) -> Vec<u64> {
+    let mut w = vec![0u64; b.len().div_ceil(8).max(1)];
+    bytes_of_mut(&mut w)[..b.len()].copy_from_slice(b);
+    w
+}
+fn bytes_of(w: &[u64]) -> &[u8] {
+    // SAFETY: u64 has no padding; the byte view covers exactly the same memory.
+    unsafe { std::slice::from_raw_parts(w.as_ptr().cast(), w.len() * 8) }
+}
+fn bytes_of_mut(w: &mut [u64]) -> &mut [u8] {
+    // SAFETY: as above, through a unique borrow.
+    unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr().cast(), w.len() * 8) }
+}
+fn bytes_of_mut16(w: &mut [u16]) -> &mut [u8] {
+    // SAFETY: as above.
+    unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr().cast(), w.len() * 2) }
+}
+fn bytes_of_mut32(w: &mut [u32]) -> &mut [u8] {
+    // SAFETY: as above.
+    unsafe { std::slice::from_raw_parts_mut(w.as_mut_ptr().cast(), w.len() * 4) }
+}
+
+/// Runs `f(rank, comm)` on `n` threads attached to a fresh segment with `slot` bytes per
+/// slot; returns the per-rank results and checks that the file is gone afterwards.
+fn with_group<R: Send + 'static>(n: usize, slot: usize, f: impl Fn(usize, &mut Communicator) -> R + Send + Sync + 'static) -> Vec<R> {
+    let dir = tmpdir();
+    let path = segment::create(&dir, n, slot).unwrap();
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|r| {
+            let (p, f) = (path.clone(), Arc::clone(&f));
+            std::thread::spawn(move || {
+                let mut c = Communicator::attach(&p, r, n, Duration::from_secs(20)).unwrap();
+                f(r, &mut c)
+            })
+        })
+        .collect();
+    let out = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(!path.exists(), "segment file left behind");
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    std::fs::remove_dir(&dir).unwrap();
+    out
+}
+
+const SLOT: usize = 8192; // small slots so modest sizes stream through many chunks
+
+fn aligned_buf(dtype: DType, vals: &[f64]) -> Vec<u64> {
+    to_words(&encode(dtype, vals))
+}
+
+#[test]
+fn allreduce_and_reduce_match_reference_for_every_dtype_and_op() {
+    for n in 1..=4 {
+        let results = with_group(n, SLOT, move |rank, c| {
+            let mut bad = Vec::new();
+            for dtype in DType::ALL {
+                for op in ReduceOp::ALL {
+                    if !valid(dtype, op) {
+                        continue;
+                    }
+                    // 2.5 slots' worth and a size above ONE_SHOT_MAX_BYTES for the two-step path.
+                    let big = flagos_shm::algorithms::ONE_SHOT_MAX_BYTES / dtype.size() + 13;
+                    for len in [0usize, 1, 3, 7, SLOT * 5 / 2 / dtype.size() + 1, big] {
+                        let mine: Vec<f64> = (0..len).map(|i| value(dtype, rank, i, 3)).collect();
+                        let mut buf = aligned_buf(dtype, &mine);
+                        // SAFETY: `buf` holds at least len elements of dtype, 8-byte aligned.
+                        unsafe { c.allreduce(buf.as_mut_ptr().cast(), len, dtype, op, 0.5).unwrap() };
+                        let got = decode(dtype, &bytes_of(&buf)[..len * dtype.size()]);
+                        let root = len % n;
+                        let mut rbuf = aligned_buf(dtype, &mine);
+                        // SAFETY: as above.
+                        unsafe { c.reduce(rbuf.as_mut_ptr().cast(), len, dtype, op, 0.5, root).unwrap() };
+                        let rgot = decode(dtype, &bytes_of(&rbuf)[..len * dtype.size()]);
+                        for i in 0..len {
+                            let xs: Vec<f64> =
+                                (0..n).map(|r| decode(dtype, &encode(dtype, &[value(dtype, r, i, 3)]))[0]).collect();
+                            let want = reference(dtype, op, 0.5, &xs);
+                            if got[i] != want {
+                                bad.push(format!("allreduce {dtype:?} {op:?} len={len} i={i}: {} != {want}", got[i]));
+                                break;
+                            }
+                            let rwant = if rank == root { want } else { mine[i] };
+                            let rwant = if rank == root { rwant } else { decode(dtype, &encode(dtype, &[rwant]))[0] };
+                            if rgot[i] != rwant {
+                                bad.push(format!("reduce {dtype:?} {op:?} len={len} i={i}: {} != {rwant}", rgot[i]));
+                                break;
+                            }
+                        }
+                    }
+                }
+            }
+            bad
+        });
+        for (r, bad) in results.iter().enumerate() {
+            assert!(bad.is_empty(), "n={n} rank {r}: {bad:?}");
+        }
+    }
+}
+
+#[test]
+fn data_movement_collectives_match_reference() {
+    let dtype = DType::I32;
+    for n in 1..=4 {
+        let results = with_group(n, SLOT, move |rank, c| {
+            let mut bad = Vec::new();
+            let v = |r: usize, i: usize| (r * 1_000_000 + i) as f64;
+            for count in [0usize, 1, 3, 7, 5000] {
+                let es = dtype.size();
+                let enc = |vals: Vec<f64>| aligned_buf(dtype, &vals);
+                let dec = |w: &Vec<u64>, k: usize| decode(dtype, &bytes_of(w)[..k * es]);
+                // allgather and gather
+                let input = enc((0..count).map(|i| v(rank, i)).collect());
+                let mut out = vec![0u64; (n * count * es).div_ceil(8).max(1)];
+                let want: Vec<f64> = (0..n).flat_map(|r| (0..count).map(move |i| v(r, i))).collect();
+                // SAFETY: sizes as documented, buffers 8-byte aligned.
+                unsafe { c.allgather(input.as_ptr().cast(), out.as_mut_ptr().cast(), count, dtype).unwrap() };
+                if dec(&out, n * count) != want {
+                    bad.push(format!("allgather count={count}"));
+                }
+                for root in 0..n {
+                    let mut out = vec![0u64; (n * count * es).div_ceil(8).max(1)];
+                    // SAFETY: as above.
+                    unsafe { c.gather(input.as_ptr().cast(), out.as_mut_ptr().cast(), count, dtype, root).unwrap() };
+                    if rank == root && dec(&out, n * count) != want {
+                        bad.push(format!("gather root={root} count={count}"));
+                    }
+                    // broadcast
+                    let mut b = enc((0..count).map(|i| v(rank, i)).collect());
+                    // SAFETY: as above.
+                    unsafe { c.broadcast(b.as_mut_ptr().cast(), count, dtype, root).unwrap() };
+                    if dec(&b, count) != (0..count).map(|i| v(root, i)).collect::<Vec<_>>() {
+                        bad.push(format!("broadcast root={root} count={count}"));
+                    }
+                    // scatter
+                    let src = enc((0..n * count).map(|i| v(rank, i)).collect());
+                    let mut o = vec![0u64; (count * es).div_ceil(8).max(1)];
+                    // SAFETY: as above.
+                    unsafe { c.scatter(src.as_ptr().cast(), o.as_mut_ptr().cast(), count, dtype, root).unwrap() };
+                    if dec(&o, count) != (0..count).map(|i| v(root, rank * count + i)).collect::<Vec<_>>() {
+                        bad.push(format!("scatter root={root} count={count}"));
+                    }
+                }
+                // alltoall and reduce-scatter
+                let src = enc((0..n * count).map(|i| v(rank, i)).collect());
+                let mut o = vec![0u64; (n * count * es).div_ceil(8).max(1)];
+                // SAFETY: as above.
+                unsafe { c.alltoall(src.as_ptr().cast(), o.as_mut_ptr().cast(), count, dtype).unwrap() };
+                let want: Vec<f64> = (0..n).flat_map(|q| (0..count).map(move |i| v(q, rank * count + i))).collect();
+                if dec(&o, n * count) != want {
+                    bad.push(format!("alltoall count={count}"));
+                }
+                let mut o = vec![0u64; (count * es).div_ceil(8).max(1)];
+                // SAFETY: as above.
+                unsafe { c.reduce_scatter(src.as_ptr().cast(), o.as_mut_ptr().cast(), count, dtype, ReduceOp::Sum, 1.0).unwrap() };
+                let want: Vec<f64> = (0..count).map(|i| (0..n).map(|q| v(q, rank * count + i)).sum()).collect();
+                if dec(&o, count) != want {
+                    bad.push(format!("reduce_scatter count={count}"));
+                }
+            }
+            c.barrier().unwrap();
+            bad
+        });
+        for (r, bad) in results.iter().enumerate() {
+            assert!(bad.is_empty(), "n={n} rank {r}: {bad:?}");
+        }
+    }
+}
+
+#[test]
+fn half_allreduce_is_bitwise_identical_on_every_rank() {
+    for dtype in [DType::F16, DType::BF16] {
+        let outs = with_group(3, SLOT, move |rank, c| {
+            let len = 20_000;
+            let mut r = Rng(rank as u64 * 77 + 5);
+            let vals: Vec<f64> = (0..len).map(|_| (r.next() % 100_000) as f64 / 997.0 - 50.0).collect();
+            let mut buf = aligned_buf(dtype, &vals);
+            // SAFETY: buffer holds len elements, 8-byte aligned.
+            unsafe { c.allreduce(buf.as_mut_ptr().cast(), len, dtype, ReduceOp::Sum, 1.0).unwrap() };
+            buf
+        });
+        assert!(outs.iter().all(|o| *o == outs[0]), "{dtype:?}");
+    }
+}
+
+#[test]
+fn mismatched_calls_raise_on_every_rank_and_the_group_stays_usable() {
+    let outs = with_group(3, SLOT, |rank, c| {
+        let mut buf = aligned_buf(DType::F32, &[1.0; 100]);
+        // rank 2 passes a different count
+        let count = if rank == 2 { 99 } else { 100 };
+        // SAFETY: buffer holds 100 f32.
+        let e = unsafe { c.allreduce(buf.as_mut_ptr().cast(), count, DType::F32, ReduceOp::Sum, 1.0) };
+        let msg = match e {
+            Err(Error::Mismatch(m)) => m,
+            other => panic!("rank {rank}: expected Mismatch, got {other:?}"),
+        };
+        // rank 1 rejects its own arguments; the others see it
+        let e2 = if rank == 1 {
+            c.fail(Some(flagos_shm::Kind::Broadcast)).map(|_| String::new())
+        } else {
+            // SAFETY: as above.
+            match unsafe { c.broadcast(buf.as_mut_ptr().cast(), 100, DType::F32, 0) } {
+                Err(Error::Mismatch(m)) => Ok(m),
+                other => panic!("rank {rank}: expected Mismatch, got {other:?}"),
+            }
+        };
+        // and the group still works
+        let mut ok = aligned_buf(DType::F32, &[rank as f64; 10]);
+        // SAFETY: buffer holds 10 f32.
+        unsafe { c.allreduce(ok.as_mut_ptr().cast(), 10, DType::F32, ReduceOp::Sum, 1.0).unwrap() };
+        (msg, e2.unwrap(), decode(DType::F32, &bytes_of(&ok)[..40]), decode(DType::F32, &bytes_of(&buf)[..400]))
+    });
+    for (r, (msg, rejected, sum, untouched)) in outs.iter().enumerate() {
+        assert!(msg.contains("99 elements") && msg.contains("100 elements"), "{msg}");
+        if r != 1 {
+            assert!(rejected.contains("rank 1 rejected"), "{rejected}");
+        }
+        assert_eq!(sum, &vec![3.0; 10]);
+        assert_eq!(untouched, &vec![1.0; 100], "mismatch must not touch the output");
+    }
+}
+
+#[test]
+fn timeout_names_the_missing_rank_and_aborts_the_group() {
+    let dir = tmpdir();
+    let path = segment::create(&dir, 2, SLOT).unwrap();
+    let p1 = path.clone();
+    let t = std::thread::spawn(move || {
+        let mut c = Communicator::attach(&p1, 1, 2, Duration::from_secs(10)).unwrap();
+        // Rank 1 never calls the barrier; it waits until rank 0 gave up, then sees the abort.
+        std::thread::sleep(Duration::from_millis(600));
+        c.barrier()
+    });
+    let mut c = Communicator::attach(&path, 0, 2, Duration::from_secs(10)).unwrap();
+    c.set_timeout(Duration::from_millis(300));
+    let e = c.barrier().unwrap_err();
+    assert!(matches!(&e, Error::Timeout(m) if m.contains("barrier #0") && m.contains("ranks [1]")), "{e}");
+    let e1 = t.join().unwrap().unwrap_err();
+    assert!(matches!(e1, Error::Aborted(_)), "{e1}");
+    assert!(matches!(c.barrier(), Err(Error::Aborted(_))));
+    std::fs::remove_dir(&dir).unwrap();
+}
+
+#[test]
+fn abort_releases_a_waiting_rank() {
+    let dir = tmpdir();
+    let path = segment::create(&dir, 2, SLOT).unwrap();
+    let p1 = path.clone();
+    let t = std::thread::spawn(move || {
+        let c = Communicator::attach(&p1, 1, 2, Duration::from_secs(10)).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        c.abort_handle().abort();
+    });
+    let mut c = Communicator::attach(&path, 0, 2, Duration::from_secs(30)).unwrap();
+    let start = std::time::Instant::now();
+    let e = c.barrier().unwrap_err();
+    assert!(matches!(&e, Error::Aborted(m) if m.contains("aborted by rank 1")), "{e}");
+    assert!(start.elapsed() < Duration::from_secs(5));
+    t.join().unwrap();
+    std::fs::remove_dir(&dir).unwrap();
+}
+
+#[test]
+fn attach_times_out_and_removes_the_file_when_a_rank_never_comes() {
+    let dir = tmpdir();
+    let path = segment::create(&dir, 2, SLOT).unwrap();
+    let e = Communicator::attach(&path, 0, 2, Duration::from_millis(200)).err().unwrap();
+    assert!(matches!(&e, Error::Timeout(m) if m.contains("missing ranks [1]")), "{e}");
+    assert!(!path.exists());
+    std::fs::remove_dir(&dir).unwrap();
+}
+
+fn corrupt(path: &Path, offset: usize, bytes: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    std::fs::OpenOptions::new().write(true).open(path).unwrap().write_all_at(bytes, offset as u64).unwrap();
+}
+
+#[test]
+fn segments_are_private_and_checked_on_attach() {
+    let dir = tmpdir();
+    let path = segment::create(&dir, 2, SLOT).unwrap();
+    let name = path.file_name().unwrap().to_str().unwrap();
+    assert!(name.starts_with(NAME_PREFIX) && name.len() == NAME_PREFIX.len() + 32);
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
+    assert_eq!(std::fs::metadata(&path).unwrap().len() as usize, segment::segment_bytes(2, SLOT));
+    // wrong group size
+    assert!(matches!(Communicator::attach(&path, 0, 3, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("created for 2 ranks")));
+    // (the failed attach unlinked it) bad magic
+    let path = segment::create(&dir, 2, SLOT).unwrap();
+    corrupt(&path, 0, b"NOTMAGIC");
+    assert!(matches!(Communicator::attach(&path, 0, 2, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("bad magic")));
+    // world size in the header mangled
+    let path = segment::create(&dir, 2, SLOT).unwrap();
+    corrupt(&path, 12, &7u32.to_ne_bytes());
+    assert!(Communicator::attach(&path, 0, 2, Duration::from_millis(50)).is_err());
+    // group-readable permissions are refused
+    let path = segment::create(&dir, 2, SLOT).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+    assert!(matches!(Communicator::attach(&path, 0, 2, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("mode 0600")));
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "failed attaches must unlink");
+    std::fs::remove_dir(&dir).unwrap();
+}
+
+#[test]
+fn bad_geometry_is_rejected_with_the_argument_named() {
+    let dir = tmpdir();
+    assert!(matches!(segment::create(&dir, 0, SLOT), Err(Error::InvalidArgument(m)) if m.starts_with("world_size")));
+    assert!(matches!(segment::create(&dir, 2, 1000), Err(Error::InvalidArgument(m)) if m.starts_with("slot_bytes")));
+    std::fs::remove_dir(&dir).unwrap();
+}
