@@ -3,7 +3,8 @@
 //! measurement it tells rank 1 how many iterations to run (`iter_custom`), so both ranks
 //! always issue the same number of collectives.
 //!
-//! Run: `cargo bench --bench allreduce` (set FLAGOS_SHM_DIR to use another tmpfs).
+//! Run: `cargo bench --bench allreduce` (FLAGOS_SHM_DIR and FLAGOS_SHM_SLOT_BYTES are
+//! honoured as by the Python backend).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use flagos_shm::segment::{self, DEFAULT_SLOT_BYTES};
@@ -15,7 +16,8 @@ const SIZES: [usize; 6] = [4, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20];
 
 fn bench(c: &mut Criterion) {
     let dir = std::env::var("FLAGOS_SHM_DIR").unwrap_or_else(|_| "/dev/shm".into());
-    let path = segment::create(dir.as_ref(), 2, DEFAULT_SLOT_BYTES).expect("create segment");
+    let slot = std::env::var("FLAGOS_SHM_SLOT_BYTES").ok().and_then(|s| s.parse().ok()).unwrap_or(DEFAULT_SLOT_BYTES);
+    let path = segment::create(dir.as_ref(), 2, slot).expect("create segment");
     let (tx, rx) = mpsc::channel::<Option<(usize, u64)>>();
     let p1 = path.clone();
     let peer = std::thread::spawn(move || {
