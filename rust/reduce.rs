@@ -413,6 +413,33 @@ pub unsafe fn reduce_raw(red: &Reduction, dst: *mut u8, srcs: &[*const u8], len:
     if len == 0 {
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU supports the features the function is compiled for; the
+        // pointer contract is forwarded.
+        return reduce_avx2(red, dst, srcs, len);
+    }
+    // SAFETY: forwarded.
+    reduce_generic(red, dst, srcs, len)
+}
+
+/// The kernels compiled for AVX2 + FMA (x86-64-v3), chosen at run time by [`reduce_raw`];
+/// the generic build below is the portable fallback (SSE2 on x86-64, NEON on aarch64).
+///
+/// # Safety
+/// As [`reduce_raw`]; the CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn reduce_avx2(red: &Reduction, dst: *mut u8, srcs: &[*const u8], len: usize) {
+    // SAFETY: forwarded; `reduce_generic` is inline(always), so its loops are compiled
+    // with this function's target features.
+    reduce_generic(red, dst, srcs, len)
+}
+
+/// # Safety
+/// As [`reduce_raw`].
+#[inline(always)]
+unsafe fn reduce_generic(red: &Reduction, dst: *mut u8, srcs: &[*const u8], len: usize) {
     // SAFETY (all arms): forwarded from this function's contract; `red` was checked by
     // `Reduction::new`, so the unreachable arms are not reached.
     match red.dtype {
