@@ -85,8 +85,23 @@ impl Kind {
             Kind::Alltoall => "alltoall",
         }
     }
+    /// The kind a c10d method name belongs to: `"allreduce_coalesced"`,
+    /// `"all_gather_single"`, `"_reduce_scatter_base"`, `"alltoall_base"`, ... (case and
+    /// underscores are ignored). `None` for an unknown name.
     pub fn from_name(name: &str) -> Option<Kind> {
-        Kind::ALL.into_iter().find(|k| k.name() == name)
+        let n: String = name.chars().filter(|c| *c != '_').collect::<String>().to_ascii_lowercase();
+        let order = [
+            ("reducescatter", Kind::ReduceScatter),
+            ("allreduce", Kind::Allreduce),
+            ("allgather", Kind::Allgather),
+            ("alltoall", Kind::Alltoall),
+            ("broadcast", Kind::Broadcast),
+            ("barrier", Kind::Barrier),
+            ("reduce", Kind::Reduce),
+            ("gather", Kind::Gather),
+            ("scatter", Kind::Scatter),
+        ];
+        order.into_iter().find(|(k, _)| n.contains(k)).map(|(_, kind)| kind)
     }
     fn from_code(c: u8) -> Option<Kind> {
         Kind::ALL.into_iter().find(|k| *k as u8 == c)
@@ -128,7 +143,7 @@ impl Desc {
     /// Human-readable form, robust to garbage read from a misbehaving peer.
     fn describe(&self) -> String {
         let kind = Kind::from_code(self.kind).map_or_else(|| format!("<kind {}>", self.kind), |k| k.name().to_string());
-        if self.kind == Kind::Barrier as u8 {
+        if self.kind == Kind::Barrier as u8 || self.flags & FLAG_FAIL != 0 {
             return format!("{kind} #{}", self.seq);
         }
         let dtype = DType::from_code(self.dtype).map_or_else(|| format!("<dtype {}>", self.dtype), |d| d.name().to_string());

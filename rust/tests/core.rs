@@ -388,7 +388,7 @@ fn mismatched_calls_raise_on_every_rank_and_the_group_stays_usable() {
         };
         // rank 1 rejects its own arguments; the others see it
         let e2 = if rank == 1 {
-            c.fail(Some(flagos_shm::Kind::Broadcast)).map(|_| String::new())
+            c.fail(flagos_shm::Kind::from_name("_broadcast_coalesced")).map(|_| String::new())
         } else {
             // SAFETY: as above.
             match unsafe { c.broadcast(buf.as_mut_ptr().cast(), 100, DType::F32, 0) } {
@@ -405,7 +405,7 @@ fn mismatched_calls_raise_on_every_rank_and_the_group_stays_usable() {
     for (r, (msg, rejected, sum, untouched)) in outs.iter().enumerate() {
         assert!(msg.contains("99 elements") && msg.contains("100 elements"), "{msg}");
         if r != 1 {
-            assert!(rejected.contains("rank 1 rejected"), "{rejected}");
+            assert!(rejected.contains("rank 1 rejected its arguments to broadcast #1"), "{rejected}");
         }
         assert_eq!(sum, &vec![3.0; 10]);
         assert_eq!(untouched, &vec![1.0; 100], "mismatch must not touch the output");

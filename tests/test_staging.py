@@ -1,0 +1,105 @@
+"""Unit tests of flagos_shm.staging (single process, no shared memory involved)."""
+
+import pytest
+import torch
+
+from flagos_shm import staging
+
+
+def _write_through(buf, values):
+    """Write ``values`` into the buffer the way the core would (through the raw flat view)."""
+    buf.flat.copy_(values)
+    buf.finish()
+
+
+def test_contiguous_tensor_is_used_in_place_at_any_offset():
+    base = torch.arange(10, dtype=torch.float32)
+    t = base[3:8]
+    buf = staging.stage(t, "t", write=True)
+    assert buf.ptr == t.data_ptr() == base.data_ptr() + 3 * 4
+    assert (buf.numel, buf.nbytes, buf.dtype) == (5, 20, "float32")
+    _write_through(buf, torch.full((5,), -1.0))
+    assert torch.equal(base, torch.tensor([0, 1, 2, -1, -1, -1, -1, -1, 8, 9], dtype=torch.float32))
+
+
+@pytest.mark.parametrize("read", [True, False])
+def test_non_contiguous_tensor_goes_through_a_copy_and_back(read):
+    t = torch.arange(12, dtype=torch.int64).reshape(3, 4).t()  # shape (4, 3), strided
+    before = t.clone()
+    buf = staging.stage(t, "t", read=read, write=True)
+    assert buf.ptr != t.data_ptr() and buf.numel == 12
+    if read:
+        assert torch.equal(buf.flat, before.reshape(-1))
+    new = torch.arange(100, 112, dtype=torch.int64)
+    _write_through(buf, new)
+    assert torch.equal(t, new.reshape(4, 3))
+
+
+def test_input_only_copy_is_not_written_back():
+    t = torch.arange(6.0)[::2]
+    buf = staging.stage(t, "t", read=True, write=False)
+    _write_through(buf, torch.zeros(3))
+    assert torch.equal(t, torch.tensor([0.0, 2.0, 4.0]))
+
+
+def test_complex_is_viewed_as_real_pairs():
+    t = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    buf = staging.stage(t, "t", write=True)
+    assert (buf.numel, buf.dtype, buf.torch_dtype) == (4, "float32", torch.complex64)
+    assert torch.equal(buf.flat, torch.tensor([1.0, 2.0, 3.0, -4.0]))
+    nc = torch.zeros(2, 2, dtype=torch.complex128).t()[0]  # strided complex
+    buf = staging.stage(nc, "nc", read=False, write=True)
+    _write_through(buf, torch.tensor([5.0, 6.0, 7.0, 8.0], dtype=torch.float64))
+    assert torch.equal(nc, torch.tensor([5 + 6j, 7 + 8j], dtype=torch.complex128))
+
+
+def test_conjugate_view_is_resolved_and_written_back():
+    base = torch.tensor([1 + 1j, 2 - 3j])
+    view = base.conj()
+    buf = staging.stage(view, "view", write=True)
+    assert torch.equal(buf.flat, torch.tensor([1.0, -1.0, 2.0, 3.0]))
+    _write_through(buf, torch.tensor([4.0, 5.0, 6.0, 7.0]))
+    assert torch.equal(view.resolve_conj(), torch.tensor([4 + 5j, 6 + 7j]))
+    assert torch.equal(base, torch.tensor([4 - 5j, 6 - 7j]))
+
+
+def test_empty_and_zero_dim_tensors():
+    assert staging.stage(torch.empty(0, 3), "e").numel == 0
+    assert staging.stage(torch.tensor(2.5), "s").numel == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.float8_e4m3fn])
+def test_unsupported_dtype_raises_type_error(dtype):
+    with pytest.raises(TypeError, match=r"^x: dtype .* is not supported"):
+        staging.stage(torch.zeros(2, dtype=dtype), "x")
+
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(TypeError, match=r"^out\[1\]: .*device 'meta'"):
+        staging.stage(torch.zeros(2, device="meta"), "out[1]")
+    with pytest.raises(TypeError, match=r"^t: expected a torch.Tensor, got list"):
+        staging.stage([1.0], "t")
+    with pytest.raises(TypeError, match=r"^t: expected a dense"):
+        staging.stage(torch.zeros(2).to_sparse(), "t")
+    with pytest.raises(ValueError, match=r"^t: output tensor has overlapping elements"):
+        staging.stage(torch.zeros(1).expand(3), "t", write=True)
+    staging.stage(torch.zeros(1).expand(3), "t", write=False)  # reading an expanded tensor is fine
+
+
+def test_pack_pads_blocks_and_unpack_inverts_it():
+    parts = [torch.tensor([1, 2], dtype=torch.int32), torch.tensor([], dtype=torch.int32),
+             torch.tensor([[3, 4], [5, 6]], dtype=torch.int32).t()]
+    buf = staging.pack(parts, 4)
+    assert buf.numel == 12 and buf.dtype == "int32"
+    assert buf.flat[0:2].tolist() == [1, 2] and buf.flat[8:12].tolist() == [3, 5, 4, 6]
+    outs = [torch.zeros(2, dtype=torch.int32), torch.zeros(0, dtype=torch.int32), torch.zeros(2, 2, dtype=torch.int32)]
+    staging.unpack(buf, outs, 4)
+    assert outs[0].tolist() == [1, 2] and torch.equal(outs[2], parts[2])
+
+
+def test_overlap_detection():
+    base = torch.zeros(10)
+    a = staging.stage(base[0:5], "a")
+    assert a.overlaps(staging.stage(base[4:6], "b"))
+    assert not a.overlaps(staging.stage(base[5:10], "c"))
+    assert not a.overlaps(staging.stage(base[2:2], "empty"))
