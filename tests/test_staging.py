@@ -75,7 +75,7 @@ def test_unsupported_dtype_raises_type_error(dtype):
 
 
 def test_bad_arguments_name_the_argument():
-    with pytest.raises(TypeError, match=r"^out\[1\]: .*device 'meta'"):
+    with pytest.raises(TypeError, match=r"^out\[1\]: tensor is on the meta device"):
         staging.stage(torch.zeros(2, device="meta"), "out[1]")
     with pytest.raises(TypeError, match=r"^t: expected a torch.Tensor, got list"):
         staging.stage([1.0], "t")

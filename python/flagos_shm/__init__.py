@@ -16,6 +16,7 @@ backend="flagos_shm")``) gets its own shared-memory segment, created in ``FLAGOS
 
 from __future__ import annotations
 
+import os as _os
 from importlib import metadata as _metadata
 
 import torch.distributed as _dist
@@ -24,27 +25,44 @@ from . import _core  # noqa: F401  (fail at import time when the extension is mi
 from .backend import BACKEND_NAME, ProcessGroupShm, create_process_group
 from .work import ShmWork
 
-__all__ = ["__version__", "BACKEND_NAME", "DEVICES", "ProcessGroupShm", "ShmWork", "register"]
+__all__ = ["__version__", "BACKEND_NAME", "DEVICES", "ENV_EMULATE", "ProcessGroupShm", "ShmWork", "register"]
 
 try:
     __version__ = _metadata.version("flagos_shm")
 except _metadata.PackageNotFoundError:  # running from a source tree that is not installed
     __version__ = "0.0.0+unknown"
 
-#: Device types whose tensors this backend accepts; ``register_backend`` maps each of them
-#: to flagos_shm where no other backend claims it yet ("cpu" stays with gloo by default).
-#: Accelerators (e.g. "flagos") join this list once device tensors are staged through
-#: pinned host memory.
-DEVICES: list[str] = ["cpu"]
+#: Device types registered for this backend. ``init_process_group()`` with no backend name
+#: on a machine whose accelerator is ``flagos`` (and ``init_device_mesh("flagos", ...)``)
+#: picks flagos_shm; ``backend="flagos_shm"`` serves CPU and flagos tensors in one group.
+#: Tensors of any other device are staged the same way when they reach the group.
+DEVICES: list[str] = ["cpu", "flagos"]
+
+#: Environment variable: "1" makes ``import flagos_shm`` enable the emulated flagos device
+#: (:func:`flagos_shm.emulation.enable`) when no real one is registered.
+ENV_EMULATE = "FLAGOS_SHM_EMULATE"
 
 
 def register() -> None:
     """Register (again) the ``"flagos_shm"`` backend with ``torch.distributed``.
 
     Called on import; calling it again, or re-importing the package, only refreshes the
-    registration.
+    registration. ``register_backend`` fills only missing ``device -> backend`` defaults,
+    so the ``flagos`` default is set explicitly: whether a vendor plugin (torch_fl) or the
+    emulator is imported before or after flagos_shm, ``flagos`` maps to flagos_shm (a plugin
+    imported later that remaps it on purpose wins). ``cpu`` stays with gloo.
     """
-    _dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True, devices=list(DEVICES))
+    if BACKEND_NAME.upper() not in _dist.Backend._plugins:
+        _dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True,
+                                       devices=list(DEVICES))
+    for device in DEVICES:
+        if device != "cpu":
+            _dist.Backend.default_device_backend_map[device] = BACKEND_NAME
 
 
 register()
+
+if _os.environ.get(ENV_EMULATE, "").strip() in ("1", "true", "yes"):
+    from . import emulation as _emulation
+
+    _emulation.enable()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
@@ -775,9 +776,41 @@ class ProcessGroupShm(dist.ProcessGroup):
         self._no_p2p("recv_anysource")
 
 
+def _requested_device_backends() -> dict:
+    """The ``device -> backend`` map of the ``init_process_group``/``new_group`` call that is
+    creating a group right now, read from torch's ``_new_process_group_helper`` frame
+    (``backend_config``); empty when it cannot be found (another torch layout)."""
+    frame = sys._getframe(1)
+    for _ in range(6):
+        if frame is None:
+            break
+        config = frame.f_locals.get("backend_config")
+        if config is not None and hasattr(config, "get_device_backend_map"):
+            return {str(d): str(b) for d, b in config.get_device_backend_map().items()}
+        frame = frame.f_back
+    return {}
+
+
 def create_process_group(backend_opts, pg_options=None) -> ProcessGroupShm:
     """The creator registered with ``torch.distributed.Backend.register_backend(...,
     extended_api=True)``: build the group from ``_DistributedBackendOptions`` (``store``,
-    ``group_rank``, ``group_size``, ``timeout``, ``group_id``). ``pg_options`` is unused."""
+    ``group_rank``, ``group_size``, ``timeout``, ``group_id``). ``pg_options`` is unused.
+
+    torch (2.13) makes a Python process group such as this one the *whole* group, for
+    tensors of every device. A per-device backend string that gives another device to
+    another backend (``"cpu:gloo,flagos:flagos_shm"``) would therefore silently send that
+    device's tensors through flagos_shm as well; this is refused.
+
+    Raises:
+        ValueError: the backend string maps some device to another backend.
+    """
+    others = {d: b for d, b in _requested_device_backends().items() if b.lower() != BACKEND_NAME}
+    if others:
+        pairs = ",".join(f"{d}:{b}" for d, b in others.items())
+        raise ValueError(
+            f"backend: flagos_shm cannot share a process group with other backends ({pairs}): torch "
+            f"gives a Python process group every device of its group, so those tensors would go through "
+            f"flagos_shm instead. Use backend='{BACKEND_NAME}' (serves CPU and device tensors alike), or "
+            f"create a separate group with dist.new_group(backend=...) for the other backend.")
     return ProcessGroupShm(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
                            backend_opts.timeout, group_name=str(getattr(backend_opts, "group_id", "") or ""))

@@ -6,21 +6,37 @@ into such a buffer and, after the collective, writes the result back into the ca
 tensor:
 
 * a contiguous CPU tensor is used in place (no copy, any storage offset);
-* a non-contiguous (or conjugate/negative-bit) tensor goes through a contiguous copy that is
-  written back with ``copy_`` afterwards;
+* a non-contiguous (or conjugate/negative-bit) CPU tensor goes through a contiguous copy that
+  is written back with ``copy_`` afterwards;
+* a tensor on any other device (``flagos``, ``cuda``, any PrivateUse1 device) is staged
+  through pinned host memory (:class:`PinnedPool`): a non-blocking device-to-host copy on
+  the tensor's current stream, a synchronisation of that stream only (so the collective
+  sees the data, without synchronising the whole device), the collective on host memory,
+  and a non-blocking host-to-device copy back on the same stream, which the caller's later
+  work on that stream is ordered after. The pinned buffer returns to the pool with an event
+  recorded after that copy and is reused only once the event has completed. Device type,
+  streams and events come from ``torch.get_device_module(device.type)`` and ``torch.Stream``
+  / ``torch.Event``, so the emulated flagos device, a real torch_fl device and CUDA take the
+  same path;
 * a complex tensor is handled as its ``torch.view_as_real`` floats (2 elements per value);
 * an empty tensor gives a buffer of 0 elements (still a valid collective).
-
-Tensors on other devices raise ``TypeError`` for now; the later device support adds a
-pinned-host-memory branch in :func:`stage` (copy in before, copy out after the collective)
-without changing the callers.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+from typing import Optional
+
 import torch
 
-__all__ = ["CORE_DTYPES", "HostBuffer", "core_dtype", "check", "stage", "scratch", "pack", "unpack", "finish"]
+__all__ = ["CORE_DTYPES", "HostBuffer", "PinnedPool", "core_dtype", "check", "stage", "scratch", "pack",
+           "unpack", "finish", "pinned_pool"]
+
+#: Environment variable: bytes of idle pinned host buffers kept for reuse between calls.
+ENV_PINNED_POOL_BYTES = "FLAGOS_SHM_PINNED_POOL_BYTES"
+#: Default of ``FLAGOS_SHM_PINNED_POOL_BYTES``: 256 MiB.
+DEFAULT_PINNED_POOL_BYTES = 256 << 20
 
 #: torch dtype -> the core's dtype name (see the core's API). Complex dtypes are handled as
 #: their real component dtype (``torch.view_as_real``).
@@ -74,9 +90,10 @@ class HostBuffer:
         torch_dtype: the caller tensor's dtype (complex stays complex), for validation.
     """
 
-    __slots__ = ("tensor", "host", "ptr", "numel", "dtype", "torch_dtype", "_write_back")
+    __slots__ = ("tensor", "host", "ptr", "numel", "dtype", "torch_dtype", "_write_back", "_pinned", "_event")
 
-    def __init__(self, tensor, host: torch.Tensor, dtype: str, write_back: bool):
+    def __init__(self, tensor, host: torch.Tensor, dtype: str, write_back: bool,
+                 pinned: Optional[torch.Tensor] = None):
         self.tensor = tensor
         self.host = host
         self.ptr = host.data_ptr()
@@ -84,6 +101,17 @@ class HostBuffer:
         self.numel = host.numel() * (2 if self.torch_dtype in _COMPLEX_TO_REAL else 1)
         self.dtype = dtype
         self._write_back = write_back
+        self._pinned = pinned  # the pool's byte buffer behind ``host`` (device tensors only)
+        self._event = None  # recorded after the host-to-device copy of ``finish``
+
+    def __del__(self):
+        # Return the pinned buffer to the pool once nothing refers to this buffer any more
+        # (right after the call in CPython); the event orders its reuse after any pending
+        # host-to-device copy from it.
+        pinned = getattr(self, "_pinned", None)
+        if pinned is not None:
+            self._pinned = None
+            pinned_pool().release(pinned, self._event)
 
     @property
     def flat(self) -> torch.Tensor:
@@ -102,10 +130,19 @@ class HostBuffer:
         return mine > 0 and theirs > 0 and self.ptr < other.ptr + theirs and other.ptr < self.ptr + mine
 
     def finish(self) -> None:
-        """Write the result back into the caller's tensor if it went through a copy."""
+        """Write the result back into the caller's tensor if it went through a copy.
+
+        For a device tensor this enqueues a non-blocking host-to-device copy on the tensor's
+        current stream (later work on that stream sees the result) and records an event
+        after it, which the pool waits for before reusing the pinned buffer.
+        """
         if self._write_back:
             with torch.no_grad():
-                self.tensor.copy_(self.host)
+                if self._pinned is None:
+                    self.tensor.copy_(self.host)
+                else:
+                    self.tensor.copy_(self.host, non_blocking=True)
+                    self._event = _current_stream(self.tensor.device).record_event()
             self._write_back = False
 
 
@@ -121,9 +158,8 @@ def check(tensor, arg: str, *, write: bool = False) -> str:
     dtype = core_dtype(tensor.dtype, arg)
     if tensor.layout != torch.strided:
         raise TypeError(f"{arg}: expected a dense (strided) tensor, got layout {tensor.layout}")
-    if not tensor.is_cpu:
-        # Device tensors: a later issue stages them through pinned host memory in stage().
-        raise TypeError(f"{arg}: tensor is on device '{tensor.device}'; flagos_shm supports CPU tensors only")
+    if tensor.device.type == "meta":
+        raise TypeError(f"{arg}: tensor is on the meta device and holds no data")
     if write and not tensor.is_contiguous() and any(
             s == 0 and n > 1 for s, n in zip(tensor.stride(), tensor.shape)):
         raise ValueError(f"{arg}: output tensor has overlapping elements (stride 0, e.g. from expand()); "
@@ -143,8 +179,11 @@ def stage(tensor, arg: str, *, read: bool = True, write: bool = False) -> HostBu
 
     Raises:
         TypeError, ValueError: see :func:`check`.
+        RuntimeError: the device runtime failed to allocate pinned memory or to copy.
     """
     dtype = check(tensor, arg, write=write)
+    if not tensor.is_cpu:
+        return _stage_device(tensor, dtype, read, write)
     if tensor.is_contiguous() and not tensor.is_neg() and not (tensor.dtype in _COMPLEX_TO_REAL and tensor.is_conj()):
         return HostBuffer(tensor, tensor, dtype, write_back=False)
     if read:
@@ -185,3 +224,111 @@ def finish(buffers) -> None:
     """Write results back into the callers' tensors for every buffer that went through a copy."""
     for buf in buffers:
         buf.finish()
+
+
+# ---- device tensors: pinned host memory -----------------------------------------------------
+
+
+def _current_stream(device: torch.device) -> torch.Stream:
+    """The current stream of ``device`` from its device module (``torch.flagos``,
+    ``torch.cuda``, ...)."""
+    return torch.get_device_module(device.type).current_stream(device)
+
+
+def _stage_device(tensor: torch.Tensor, dtype: str, read: bool, write: bool) -> HostBuffer:
+    """Stage a device tensor through a pinned host buffer (see the module docstring)."""
+    nbytes = tensor.numel() * tensor.element_size()
+    pinned = pinned_pool().acquire(nbytes)
+    host = pinned[:nbytes].view(tensor.dtype).view(tensor.shape)
+    if read and nbytes:
+        with torch.no_grad():
+            # Enqueued on the tensor's current stream, after the work that produced it;
+            # a non-contiguous source is gathered by the copy itself.
+            host.copy_(tensor.resolve_conj().resolve_neg(), non_blocking=True)
+        _current_stream(tensor.device).synchronize()  # this stream only, not the device
+    return HostBuffer(tensor, host, dtype, write_back=write, pinned=pinned)
+
+
+class PinnedPool:
+    """Pinned (page-locked) host buffers reused across collectives.
+
+    Buffers come from the device runtime's own host allocator
+    (``torch.empty(..., pin_memory=True)``), are sized in powers of two (at least 64 KiB) so
+    that a few sizes serve many calls, and grow on demand: a call holds as many pinned bytes
+    as its device tensors have. Between calls the pool keeps at most ``limit_bytes`` of idle
+    buffers (``FLAGOS_SHM_PINNED_POOL_BYTES``, default 256 MiB); idle buffers beyond that
+    are freed, smallest first. Thread-safe.
+
+    Args:
+        limit_bytes: bytes of idle buffers to keep (>= 0).
+    """
+
+    MIN_BYTES = 64 << 10
+
+    def __init__(self, limit_bytes: int):
+        if limit_bytes < 0:
+            raise ValueError(f"limit_bytes: expected >= 0, got {limit_bytes}")
+        self.limit_bytes = limit_bytes
+        self._idle: list = []  # (size, uint8 pinned tensor, event or None), sorted by size
+        self._lock = threading.Lock()
+
+    @property
+    def idle_bytes(self) -> int:
+        """Bytes of pinned buffers currently held for reuse."""
+        with self._lock:
+            return sum(size for size, _, _ in self._idle)
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A 1-D uint8 pinned tensor of at least ``nbytes`` bytes, free to overwrite."""
+        with self._lock:
+            for i, (size, buf, event) in enumerate(self._idle):
+                if size >= nbytes:
+                    del self._idle[i]
+                    break
+            else:
+                buf = event = None
+        if buf is None:
+            size = max(self.MIN_BYTES, 1 << max(nbytes - 1, 0).bit_length())
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        if event is not None:
+            event.synchronize()  # the host-to-device copy that last read it has finished
+        return buf
+
+    def release(self, buf: torch.Tensor, event=None) -> None:
+        """Give ``buf`` back; ``event`` (if any) completes when the last copy from it did."""
+        with self._lock:
+            self._idle.append((buf.numel(), buf, event))
+            self._idle.sort(key=lambda item: item[0])
+            total = sum(size for size, _, _ in self._idle)
+            while self._idle and total > self.limit_bytes:
+                size, _, old_event = self._idle.pop(0)
+                if old_event is not None:
+                    old_event.synchronize()
+                total -= size
+
+
+_pool: Optional[PinnedPool] = None
+_pool_lock = threading.Lock()
+
+
+def pinned_pool() -> PinnedPool:
+    """The process-wide :class:`PinnedPool`, created on first use from
+    ``FLAGOS_SHM_PINNED_POOL_BYTES``.
+
+    Raises:
+        ValueError: the variable is not a non-negative integer.
+    """
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                raw = os.environ.get(ENV_PINNED_POOL_BYTES, "").strip()
+                try:
+                    limit = int(raw) if raw else DEFAULT_PINNED_POOL_BYTES
+                except ValueError:
+                    limit = -1
+                if limit < 0:
+                    raise ValueError(f"{ENV_PINNED_POOL_BYTES}={raw!r}: expected a non-negative integer "
+                                     f"number of bytes (default {DEFAULT_PINNED_POOL_BYTES})")
+                _pool = PinnedPool(limit)
+    return _pool
