@@ -7,7 +7,7 @@
 //! 0                    Header        written once by the creator, read-only afterwards
 //! LINE                 GroupLine     attached count, aborted flag, futex word, sleepers
 //! 2*LINE + r*CTRL      rank r's control block (CTRL = 2*LINE):
-//!                        line 0: arrival counter (u64), pid
+//!                        line 0: arrival counter (u64), pid, last CPU
 //!                        line 1: two collective descriptors (one per step parity)
 //! data_offset          rank r's two chunk slots: data_offset + (2r + p) * slot_bytes
 //! ```
@@ -89,7 +89,9 @@ pub struct RankCtrl {
     pub arrived: AtomicU64,
     /// The rank's process id, for liveness checks.
     pub pid: AtomicU32,
-    _pad0: [u8; LINE - 12],
+    /// The CPU the rank last arrived from (`sched_getcpu`), a hint for waiters.
+    pub cpu: AtomicU32,
+    _pad0: [u8; LINE - 16],
     /// Descriptors of the collective this rank is in, indexed by step parity.
     pub desc: [[AtomicU64; DESC_WORDS]; 2],
     _pad1: [u8; LINE - 2 * DESC_WORDS * 8],

@@ -9,7 +9,8 @@
 //! `s % 2` again only in step `s + 2`, i.e. after every rank arrived at `s + 1`, no slot
 //! is overwritten while someone still reads it. No locks are taken anywhere.
 //!
-//! Waiting spins for [`SPIN`], then yields the CPU for [`YIELD`], then sleeps on a futex
+//! Waiting spins for [`SPIN`] (skipped when a missing peer last ran on the waiter's own
+//! CPU, where spinning would only delay it), then yields the CPU for [`YIELD`], then sleeps on a futex
 //! (one shared word, `GroupLine::wake`, bumped by arrivals only when someone sleeps) in
 //! slices of at most [`SLEEP_SLICE`]. Between slices it checks the deadline, the group's
 //! aborted flag, whether the missing peers' processes are still alive, and the caller's
@@ -44,7 +45,9 @@ pub struct WaitCtx<'a> {
 
 /// Publishes that `rank` finished writing step `step`, and wakes sleepers if any.
 pub fn arrive(seg: &Segment, rank: usize, step: u64) {
-    seg.ctrl(rank).arrived.store(step, Ordering::Release);
+    let me = seg.ctrl(rank);
+    me.cpu.store(current_cpu(), Ordering::Relaxed);
+    me.arrived.store(step, Ordering::Release);
     wake_sleepers(seg.group());
 }
 
@@ -80,6 +83,17 @@ fn missing(seg: &Segment, step: u64) -> Vec<usize> {
     (0..seg.world_size()).filter(|&r| seg.ctrl(r).arrived.load(Ordering::Acquire) < step).collect()
 }
 
+/// The CPU this thread runs on, or `u32::MAX` if unknown.
+fn current_cpu() -> u32 {
+    // SAFETY: sched_getcpu has no preconditions (glibc serves it from the vDSO).
+    let c = unsafe { libc::sched_getcpu() };
+    if c < 0 {
+        u32::MAX
+    } else {
+        c as u32
+    }
+}
+
 /// Whether process `pid` is gone (no such process, or a zombie waiting to be reaped).
 pub fn pid_dead(pid: u32) -> bool {
     if pid == 0 {
@@ -108,8 +122,12 @@ pub fn wait_all(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
         return Ok(());
     }
     let start = Instant::now();
-    // Phase 1: spin.
-    loop {
+    // Phase 1: spin, unless a missing peer last ran on our CPU: then it cannot make
+    // progress while we spin, so give the CPU away at once.
+    let cpu = current_cpu();
+    let shares_cpu = (0..seg.world_size())
+        .any(|r| seg.ctrl(r).arrived.load(Ordering::Relaxed) < step && seg.ctrl(r).cpu.load(Ordering::Relaxed) == cpu);
+    while !shares_cpu {
         for _ in 0..64 {
             std::hint::spin_loop();
             if all_in() {
