@@ -486,19 +486,22 @@ class ProcessGroupShm(dist.ProcessGroup):
     _allgather_base = all_gather_single
 
     def allgather_coalesced(self, output_lists, input_list, opts=None) -> ShmWork:
-        """``allgather`` of each ``input_list[i]`` into ``output_lists[i]`` (one collective each)."""
+        """Gather each ``input_list[i]`` of every rank: ``output_lists[r][i]`` receives rank
+        r's ``input_list[i]`` (torch's layout: ``world_size`` lists of ``len(input_list)``
+        tensors). One collective per input tensor."""
         name = "allgather_coalesced"
         with self._validating(name):
             a = self._args(opts)
             inputs = _tensor_list(input_list, "input_list")
-            output_lists = _tensor_list(output_lists, "output_lists", len(inputs))
+            output_lists = _tensor_list(output_lists, "output_lists", self._world_size)
+            rows = [_tensor_list(row, f"output_lists[{r}]", len(inputs)) for r, row in enumerate(output_lists)]
             jobs = []
-            for i, (outs, t) in enumerate(zip(output_lists, inputs)):
+            for i, t in enumerate(inputs):
                 inp = staging.stage(t, f"input_list[{i}]")
-                outs = _tensor_list(outs, f"output_lists[{i}]", self._world_size)
-                self._check_list(outs, f"output_lists[{i}]", inp, write=True)
+                outs = [row[i] for row in rows]
+                self._check_list(outs, f"output_lists[*][{i}]", inp, write=True)
                 if any(o.numel() != t.numel() for o in outs):
-                    raise ValueError(f"output_lists[{i}]: every tensor must have input_list[{i}]'s "
+                    raise ValueError(f"output_lists[r][{i}]: every rank's tensor must have input_list[{i}]'s "
                                      f"{t.numel()} elements")
                 jobs.append((outs, inp))
         comm, n = self._comm, self._world_size
@@ -508,7 +511,7 @@ class ProcessGroupShm(dist.ProcessGroup):
                 dst = staging.scratch(n * inp.tensor.numel(), inp.torch_dtype)
                 comm.allgather(inp.ptr, dst.ptr, inp.numel, inp.dtype, a.timeout_s)
                 staging.unpack(dst, outs, inp.tensor.numel())
-        return self._run(name, [o for outs, _ in jobs for o in outs], [], transfer)
+        return self._run(name, [o for row in rows for o in row], [], transfer)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> ShmWork:
         """``all_gather_single`` of each ``(outputs[i], inputs[i])`` pair (one collective each)."""

@@ -1,0 +1,100 @@
+"""Shared fixtures: pools of rank processes (see ``harness.py``) and the leak checks.
+
+``worlds(n)`` returns the session's pool of ``n`` ranks (started on first use, reused by
+every later test, rebuilt if a call killed it). The backend under test is ``flagos_shm``;
+``--backend gloo`` (or ``FLAGOS_SHM_TEST_BACKEND=gloo``) runs the same tests against gloo
+to cross-check the references (gloo lacks some ops and dtypes; the tests skip those cases
+on gloo).
+
+At the end of the session every pool is closed (``destroy_process_group`` on each rank, then
+the processes are reaped) and the session fails if a rank process is still alive or a new
+``flagos_shm-*`` segment file is left in ``/dev/shm`` or in the pools' segment directories.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from harness import World  # noqa: E402
+
+SEGMENT_GLOB = "flagos_shm-*"  # _core.SEGMENT_PREFIX
+
+
+def pytest_addoption(parser):
+    parser.addoption("--backend", default=os.environ.get("FLAGOS_SHM_TEST_BACKEND", "flagos_shm"),
+                     help="process-group backend under test (default flagos_shm; gloo to cross-check)")
+
+
+def _segments(directory: str) -> set:
+    return set(glob.glob(os.path.join(directory, SEGMENT_GLOB)))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def check_world_closed(world: World) -> list:
+    """Close ``world`` (if needed) and return a list of problems: live processes, segment
+    files left in its directory."""
+    world.close()
+    problems = [f"rank process {pid} still alive" for pid in world.pids if _alive(pid)]
+    left = world.remove_files()
+    problems += [f"segment file left behind: {os.path.join(world.shm_dir, name)}" for name in left]
+    return problems
+
+
+@pytest.fixture(scope="session")
+def backend(request) -> str:
+    name = request.config.getoption("--backend")
+    if name == "flagos_shm":
+        import flagos_shm  # noqa: F401  the suite requires the real backend
+    return name
+
+
+@pytest.fixture(scope="session")
+def worlds(backend):
+    """``worlds(world_size, **env)`` -> the session's :class:`World` for that size and
+    environment (created lazily, replaced if a failure killed it). At the end of the
+    session every pool is closed, and the session fails if a rank process survived or a
+    segment file is left in a pool's segment directory."""
+    pools: dict = {}
+    problems: list = []
+
+    def get(world_size: int, **env) -> World:
+        key = (world_size, tuple(sorted(env.items())))
+        world = pools.get(key)
+        if world is None or not world.alive:
+            if world is not None:  # killed by a timeout/failure: check its leftovers now
+                problems.extend(check_world_closed(world))
+            pools[key] = world = World(world_size, backend, env=env)
+        return world
+
+    get.backend = backend
+    yield get
+    for world in pools.values():
+        problems.extend(check_world_closed(world))
+    assert not problems, "leaks after the test session:\n" + "\n".join(problems)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_new_segments_in_dev_shm():
+    """No test may leave a ``flagos_shm-*`` entry in /dev/shm (set up first, so its check
+    runs after every pool was closed)."""
+    before = _segments("/dev/shm")
+    yield
+    new = _segments("/dev/shm") - before
+    if new:  # another job on the machine may be attaching right now: look again
+        time.sleep(2.0)
+        new &= _segments("/dev/shm")
+    assert not new, "new entries left in /dev/shm: " + ", ".join(sorted(new))
