@@ -4,6 +4,7 @@ Run::
 
     python -m flagos_shm.demo                       # 2 local ranks, backend flagos_shm
     python -m flagos_shm.demo --nproc 4 --compare   # flagos_shm, then gloo, same seed and data
+    python -m flagos_shm.demo --emulate             # on the emulated flagos device
     torchrun --nproc-per-node 2 -m flagos_shm.demo  # the same job under torchrun
 
 What it does: scikit-learn's bundled handwritten-digits data set
@@ -22,6 +23,13 @@ communication. Communication is measured with a DDP communication hook that wrap
 ``torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook`` (the
 behaviour DDP has without a hook) and times each gradient bucket from the hook
 call to the completion of the allreduce's future, on rank 0.
+
+Device: ``--device auto`` (the default) trains on the ``flagos`` accelerator when one is
+present, i.e. a real torch_fl device or the emulated one (``--emulate`` or
+``FLAGOS_SHM_EMULATE=1``), with local rank i on ``flagos:i`` and DDP's
+``device_ids=[i]``; otherwise on the CPU. ``--device cpu|flagos`` chooses explicitly.
+gloo cannot take flagos tensors, so gloo runs (``--backend gloo``, ``--compare``) train
+on the CPU and say so.
 
 At the end every rank publishes its flattened parameters (raw bytes) in the
 rendezvous store, which does not go through the backend under test, and rank 0
@@ -73,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "is stopped after 3x this")
     p.add_argument("--json", action="store_true",
                    help="end the output with exactly one JSON line summarising the run")
+    p.add_argument("--device", choices=("auto", "cpu", "flagos"), default="auto",
+                   help="where to train: flagos when a flagos device is present (auto, the "
+                        "default), or cpu / flagos explicitly")
+    p.add_argument("--emulate", action="store_true",
+                   help="enable the emulated flagos device (same as FLAGOS_SHM_EMULATE=1)")
     p.add_argument("--bind", action="store_true",
                    help="pin local rank i to the i-th allowed CPU (modulo the CPU count); "
                         "default: let the scheduler place the ranks")
@@ -152,6 +165,35 @@ def flat_params(model) -> "torch.Tensor":
 
 # --------------------------------------------------------------------------- one training run
 
+def flagos_present() -> bool:
+    """Whether a flagos accelerator (real or emulated) is registered and available."""
+    import torch
+
+    module = getattr(torch, "flagos", None)
+    return module is not None and bool(module.is_available()) and module.device_count() > 0
+
+
+def pick_device(backend: str, local_rank: int, args) -> "torch.device":
+    """The device this rank trains on (see the module docstring)."""
+    import torch
+
+    want = args.device
+    if want == "auto":
+        want = "flagos" if flagos_present() else "cpu"
+    if want == "flagos":
+        if not flagos_present():
+            raise RuntimeError("--device flagos: no flagos device is registered "
+                               "(install torch_fl, or pass --emulate)")
+        if backend == "gloo":
+            return torch.device("cpu")  # gloo rejects flagos tensors: the reason flagos_shm exists
+        count = torch.flagos.device_count()
+        if local_rank >= count:
+            raise RuntimeError(f"--device flagos: local rank {local_rank} needs flagos:{local_rank} "
+                               f"but only {count} flagos device(s) exist")
+        return torch.device("flagos", local_rank)
+    return torch.device("cpu")
+
+
 def train_one(backend: str, store, rank: int, world_size: int, args) -> Dict:
     """Train with ``backend`` in a process group of its own; return rank 0's summary."""
     import torch
@@ -159,8 +201,9 @@ def train_one(backend: str, store, rank: int, world_size: int, args) -> Dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    if backend == "flagos_shm":
-        import flagos_shm  # noqa: F401  (registers the "flagos_shm" backend)
+    import flagos_shm  # noqa: F401  (registers "flagos_shm"; FLAGOS_SHM_EMULATE=1 enables the emulator)
+
+    device = pick_device(backend, int(os.environ.get("LOCAL_RANK", rank)), args)
 
     log = print if rank == 0 else (lambda *a, **k: None)
     run_store = dist.PrefixStore(f"flagos_shm.demo/{backend}", store)
@@ -168,20 +211,24 @@ def train_one(backend: str, store, rank: int, world_size: int, args) -> Dict:
                             world_size=world_size, timeout=timedelta(seconds=args.timeout))
     try:
         group = dist.group.WORLD
-        x_tr, y_tr, x_te, y_te = load_data(args.seed)
+        x_tr, y_tr, x_te, y_te = (t.to(device) for t in load_data(args.seed))
         train_set = TensorDataset(x_tr, y_tr)
         sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank,
                                      shuffle=True, seed=args.seed)
         loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler)
         x_eval, y_eval = x_te[rank::world_size], y_te[rank::world_size]
 
-        model = DDP(build_model(args.seed), process_group=group)
+        ddp_devices = None if device.type == "cpu" else [device.index]
+        model = DDP(build_model(args.seed).to(device), device_ids=ddp_devices, process_group=group)
         timer = TimedAllreduce(group)
         model.register_comm_hook(timer, TimedAllreduce.hook)
         opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
         loss_fn = torch.nn.CrossEntropyLoss()
 
-        log(f"\n== backend {backend}: world size {world_size}, {len(x_tr)} training / "
+        log(f"\n== backend {backend} on {device.type}"
+            + (" (gloo cannot take flagos tensors)" if backend == "gloo" and args.device != "cpu"
+               and flagos_present() else "")
+            + f": world size {world_size}, {len(x_tr)} training / "
             f"{len(x_te)} held-out samples, batch {args.batch_size} per rank, "
             f"{len(loader)} steps per epoch per rank")
         log(f"{'epoch':>5} {'loss':>8} {'accuracy':>9} {'step ms':>8} {'comm ms':>8} {'comm %':>7}")
@@ -192,7 +239,7 @@ def train_one(backend: str, store, rank: int, world_size: int, args) -> Dict:
         for epoch in range(args.epochs):
             sampler.set_epoch(epoch)
             model.train()
-            loss_sum = torch.zeros(2, dtype=torch.float64)  # (sum of losses * n, n)
+            loss_sum = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses * n, n)
             ep_steps, ep_comm = [], []
             for xb, yb in loader:
                 comm_before = timer.comm_s
@@ -211,7 +258,7 @@ def train_one(backend: str, store, rank: int, world_size: int, args) -> Dict:
             model.eval()
             with torch.no_grad():
                 correct = (model(x_eval).argmax(dim=1) == y_eval).sum()
-            counts = torch.stack([correct, torch.tensor(len(y_eval))]).to(torch.int64)
+            counts = torch.stack([correct, torch.tensor(len(y_eval), device=device)]).to(torch.int64)
             dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
             dist.all_reduce(loss_sum, op=dist.ReduceOp.SUM, group=group)
             if int(counts[1]) != len(y_te):
@@ -247,7 +294,7 @@ def train_one(backend: str, store, rank: int, world_size: int, args) -> Dict:
             f"{WARMUP_STEPS} excluded), communication {comm_s * 1e3:.3f} ms "
             f"({100 * comm_s / step_s:.1f}%)")
         dist.barrier(group=group)
-        return {"backend": backend, "final_accuracy": accuracy, "step_time_s": step_s,
+        return {"backend": backend, "device": device.type, "final_accuracy": accuracy, "step_time_s": step_s,
                 "comm_time_s": comm_s, "comm_share": comm_s / step_s,
                 "params_identical": identical, "params_sha256": hashlib.sha256(mine).hexdigest()}
     finally:
@@ -259,6 +306,10 @@ def worker(args) -> int:
     import torch
 
     _launch.worker_setup()
+    if args.emulate:
+        from . import emulation
+
+        emulation.enable()
     store, rank, world_size, local_world_size = _launch.rendezvous(args.timeout)
     torch.set_num_threads(_launch.default_threads(local_world_size))
     if args.bind:
