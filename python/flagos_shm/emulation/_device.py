@@ -80,17 +80,25 @@ def is_available() -> bool:
     return True
 
 
+_initialized = False
+
+
 def is_initialized() -> bool:
-    """True: there is no lazy initialisation to wait for."""
-    return True
+    """Whether the device was "initialised" (set_device/init/_lazy_init called), like
+    ``torch.cuda.is_initialized`` before first use. DeviceMesh selects the per-rank device
+    (LOCAL_RANK, else rank % device_count) only while this is False."""
+    return _initialized
 
 
 def _lazy_init() -> None:
-    """No-op; present because some generic code calls it on device modules."""
+    """Mark the device initialised (nothing else to do)."""
+    global _initialized
+    _initialized = True
 
 
 def init() -> None:
-    """No-op; present for parity with ``torch.cuda.init``."""
+    """Mark the device initialised; for parity with ``torch.cuda.init``."""
+    _lazy_init()
 
 
 def _is_in_bad_fork() -> bool:
@@ -109,6 +117,7 @@ def set_device(device: _DeviceLike) -> None:
     Raises ValueError/TypeError as :func:`_get_device_index`.
     """
     _ops().set_device(_get_device_index(device))
+    _lazy_init()
 
 
 class device:

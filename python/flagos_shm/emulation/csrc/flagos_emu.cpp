@@ -35,6 +35,8 @@
 #include <ATen/ops/resize_native.h>
 #include <ATen/ops/set_native.h>
 #include <ATen/ops/unfold_native.h>
+#include <ATen/ops/view_as_complex_native.h>
+#include <ATen/ops/view_as_real_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/DeviceGuard.h>
@@ -515,6 +517,9 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("view", at::native::view);
   m.impl("_reshape_alias", at::native::_reshape_alias);
   m.impl("unfold", at::native::unfold);
+  // View ops: cpu_fallback would return a copy (writes through the view would be lost).
+  m.impl("view_as_real", at::native::view_as_real);
+  m.impl("view_as_complex", at::native::view_as_complex);
   m.impl("resize_", resize_);
   m.impl("set_.source_Storage", at::native::set_);
   m.impl("set_.source_Storage_storage_offset", set_storage);
