@@ -58,13 +58,8 @@ def reference_training(world_size: int, seed: int, init_seed: int) -> dict:
 
 # ---- rank functions ---------------------------------------------------------------------------
 
-def rank_ddp(seed: int, bucket_cap_mb: float) -> dict:
-    """DDP over the default group; each rank starts from its own random parameters (DDP
-    broadcasts rank 0's). Returns the final parameters and the local losses."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    rank, n = dist.get_rank(), dist.get_world_size()
-    model = DDP(_model(seed + 100 + rank), bucket_cap_mb=bucket_cap_mb)
+def _train_local_rows(model, rank: int, n: int, seed: int) -> None:
+    """STEPS optimizer steps of ``model`` on this rank's rows of each global batch."""
     opt = _optimizer(model.parameters())
     rows = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
     for step in range(STEPS):
@@ -73,6 +68,16 @@ def rank_ddp(seed: int, bucket_cap_mb: float) -> dict:
         loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows])
         loss.backward()
         opt.step()
+
+
+def rank_ddp(seed: int, bucket_cap_mb: float) -> dict:
+    """DDP over the default group; each rank starts from its own random parameters (DDP
+    broadcasts rank 0's). Returns the final parameters and the local losses."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    model = DDP(_model(seed + 100 + rank), bucket_cap_mb=bucket_cap_mb)
+    _train_local_rows(model, rank, n, seed)
     return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
 
@@ -89,14 +94,7 @@ def rank_fsdp2(seed: int) -> dict:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = _optimizer(model.parameters())
-    rows = slice(rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK)
-    for step in range(STEPS):
-        x, y = _batch(step, n, seed)
-        opt.zero_grad()
-        loss = torch.nn.functional.cross_entropy(model(x[rows]), y[rows])
-        loss.backward()
-        opt.step()
+    _train_local_rows(model, rank, n, seed)
     return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
 
 
