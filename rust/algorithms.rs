@@ -120,11 +120,13 @@ struct Desc {
     count: u64,
     root: u64,
     seq: u64,
+    /// PREMUL_SUM's factor as f64 bits (0 otherwise): ranks must agree on it.
+    factor: u64,
 }
 
 impl Desc {
     fn words(&self) -> [u64; DESC_WORDS] {
-        [self.kind as u64 | (self.dtype as u64) << 8 | (self.op as u64) << 16, self.flags, self.count, self.root, self.seq, 0]
+        [self.kind as u64 | (self.dtype as u64) << 8 | (self.op as u64) << 16, self.flags, self.count, self.root, self.seq, self.factor]
     }
     fn from_words(w: [u64; DESC_WORDS]) -> Desc {
         Desc {
@@ -135,10 +137,12 @@ impl Desc {
             count: w[2],
             root: w[3],
             seq: w[4],
+            factor: w[5],
         }
     }
     fn same_call(&self, o: &Desc) -> bool {
-        (self.kind, self.dtype, self.op, self.count, self.root, self.seq) == (o.kind, o.dtype, o.op, o.count, o.root, o.seq)
+        (self.kind, self.dtype, self.op, self.count, self.root, self.seq, self.factor)
+            == (o.kind, o.dtype, o.op, o.count, o.root, o.seq, o.factor)
     }
     /// Human-readable form, robust to garbage read from a misbehaving peer.
     fn describe(&self) -> String {
@@ -150,6 +154,9 @@ impl Desc {
         let mut s = format!("{kind} #{} ({dtype} x {} elements", self.seq, self.count);
         if matches!(Kind::from_code(self.kind), Some(Kind::Allreduce | Kind::Reduce | Kind::ReduceScatter)) {
             s += &format!(", {}", ReduceOp::from_code(self.op).map_or("<op?>", |o| o.name()));
+            if self.op == ReduceOp::PremulSum as u32 {
+                s += &format!(" factor {}", f64::from_bits(self.factor));
+            }
         }
         if matches!(Kind::from_code(self.kind), Some(Kind::Broadcast | Kind::Reduce | Kind::Gather | Kind::Scatter)) {
             s += &format!(", root {}", self.root);
@@ -186,6 +193,18 @@ impl Communicator {
     /// attached (at most `timeout`) and unlinks the file. On any failure the file is
     /// unlinked too, so nothing is left in the segment directory.
     pub fn attach(path: &Path, rank: usize, world_size: usize, timeout: Duration) -> Result<Communicator> {
+        Self::attach_with(path, rank, world_size, timeout, None)
+    }
+
+    /// [`Self::attach`] with an interrupt hook, checked every few milliseconds while
+    /// waiting for the other ranks (returning `true` stops with `Interrupted`).
+    pub fn attach_with(
+        path: &Path,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        interrupt: Option<&(dyn Fn() -> bool + Sync)>,
+    ) -> Result<Communicator> {
         let unlink_on_err = |e: Error| {
             let _ = std::fs::remove_file(path);
             e
@@ -218,6 +237,10 @@ impl Communicator {
                     path.display(),
                     ms(timeout)
                 ))));
+            }
+            if interrupt.is_some_and(|hook| hook()) {
+                sync::abort(&seg, rank);
+                return Err(unlink_on_err(Error::Interrupted(format!("setting up shared-memory segment {}", path.display()))));
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(5));
@@ -286,7 +309,7 @@ impl Communicator {
             self.broken = Some(format!("the group was aborted by rank {r}"));
             return Err(Error::Aborted(format!("{}: the group was aborted by rank {r}", kind.name())));
         }
-        let d = Desc { kind: kind as u8, dtype: dtype as u32, op, flags: 0, count: count as u64, root: root as u64, seq: self.seq };
+        let d = Desc { kind: kind as u8, dtype: dtype as u32, op, flags: 0, count: count as u64, root: root as u64, seq: self.seq, factor: 0 };
         self.seq += 1;
         Ok(d)
     }
@@ -398,7 +421,8 @@ impl Communicator {
     /// See the contract above; `buf`: `count` elements, read and written.
     pub unsafe fn allreduce(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
         let red = self.reduction(dtype, op, factor)?;
-        let d = self.begin(Kind::Allreduce, dtype, op as u32, count, 0)?;
+        let mut d = self.begin(Kind::Allreduce, dtype, op as u32, count, 0)?;
+        d.factor = red.factor.to_bits();
         let es = dtype.size();
         let per = self.seg.slot_bytes() / es;
         let two_step = self.n > 2 && count * es > ONE_SHOT_MAX_BYTES;
@@ -470,7 +494,8 @@ impl Communicator {
     pub unsafe fn reduce(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64, root: usize) -> Result<()> {
         self.check_root(root)?;
         let red = self.reduction(dtype, op, factor)?;
-        let d = self.begin(Kind::Reduce, dtype, op as u32, count, root)?;
+        let mut d = self.begin(Kind::Reduce, dtype, op as u32, count, root)?;
+        d.factor = red.factor.to_bits();
         let es = dtype.size();
         let per = self.seg.slot_bytes() / es;
         for c in 0..Self::steps(count, per) {
@@ -578,7 +603,8 @@ impl Communicator {
             Some(r) => (Kind::ReduceScatter, r.op as u32),
             None => (Kind::Alltoall, 0),
         };
-        let d = self.begin(kind, dtype, op, count, 0)?;
+        let mut d = self.begin(kind, dtype, op, count, 0)?;
+        d.factor = red.map_or(0, |r| r.factor.to_bits());
         let es = dtype.size();
         let per = self.seg.slot_bytes() / es / self.n;
         let mut srcs = vec![std::ptr::null::<u8>(); self.n];

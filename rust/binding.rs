@@ -135,11 +135,9 @@ impl PyCommunicator {
     fn new(py: Python<'_>, path: &str, rank: usize, world_size: usize, timeout_s: f64) -> PyResult<Self> {
         let timeout = duration("timeout_s", timeout_s)?;
         let p = path.to_owned();
-        let mut comm =
-            py.detach(|| Communicator::attach(Path::new(&p), rank, world_size, timeout)).map_err(|e| to_py(e, None))?;
         let pending: Pending = Arc::new(Mutex::new(None));
         let hook_pending = Arc::clone(&pending);
-        comm.set_interrupt(Some(Box::new(move || {
+        let hook = move || {
             Python::attach(|py| match py.check_signals() {
                 Ok(()) => false,
                 Err(e) => {
@@ -147,7 +145,11 @@ impl PyCommunicator {
                     true
                 }
             })
-        })));
+        };
+        let mut comm = py
+            .detach(|| Communicator::attach_with(Path::new(&p), rank, world_size, timeout, Some(&hook)))
+            .map_err(|e| to_py(e, Some(&pending)))?;
+        comm.set_interrupt(Some(Box::new(hook)));
         Ok(PyCommunicator {
             aborter: comm.abort_handle(),
             slot_bytes: comm.slot_bytes(),

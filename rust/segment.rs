@@ -149,6 +149,61 @@ fn free_bytes(dir: &Path) -> Option<u64> {
     }
 }
 
+/// Whether process `pid` is gone (no such process, or a zombie waiting to be reaped).
+pub fn pid_dead(pid: u32) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    // SAFETY: signal 0 only checks for existence and permission.
+    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
+    if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
+        return true;
+    }
+    // A zombie still answers kill(0); its state letter in /proc/<pid>/stat is Z or X.
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => s.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()).is_some_and(|c| c == 'Z' || c == 'X'),
+        Err(_) => false,
+    }
+}
+
+/// Removes segment files in `dir` left by crashed jobs: files named `flagos_shm-*`, owned
+/// by this user, with our magic, whose creator process is gone. A segment is unlinked as
+/// soon as all its ranks attached, so only a job that died during set-up leaves one; this
+/// sweep, run whenever a group is created, bounds the leak to that window. Errors are
+/// ignored (best effort). Returns the paths removed.
+pub fn remove_stale(dir: &Path) -> Vec<PathBuf> {
+    let mut removed = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else { return removed };
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if !name.to_string_lossy().starts_with(NAME_PREFIX) {
+            continue;
+        }
+        let path = entry.path();
+        let Ok(file) = OpenOptions::new().read(true).custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW).open(&path) else {
+            continue;
+        };
+        let Ok(meta) = file.metadata() else { continue };
+        if !meta.file_type().is_file() || meta.uid() != uid || (meta.len() as usize) < std::mem::size_of::<Header>() {
+            continue;
+        }
+        let mut raw = [0u8; std::mem::size_of::<Header>()];
+        use std::os::unix::fs::FileExt;
+        if file.read_exact_at(&mut raw, 0).is_err() {
+            continue;
+        }
+        // SAFETY: `raw` holds size_of::<Header>() bytes; Header is plain old data (any bit
+        // pattern is a valid value), read unaligned.
+        let h: Header = unsafe { std::ptr::read_unaligned(raw.as_ptr() as *const Header) };
+        if h.magic == MAGIC && h.creator_uid == uid && pid_dead(h.creator_pid) && std::fs::remove_file(&path).is_ok() {
+            removed.push(path);
+        }
+    }
+    removed
+}
+
 fn random_hex() -> Result<String> {
     let mut buf = [0u8; 16];
     let mut got = 0;
@@ -174,6 +229,7 @@ fn random_hex() -> Result<String> {
 /// the bytes free when the directory cannot hold the segment.
 pub fn create(dir: &Path, world_size: usize, slot_bytes: usize) -> Result<PathBuf> {
     check_geometry(world_size, slot_bytes)?;
+    remove_stale(dir);
     let total = segment_bytes(world_size, slot_bytes);
     let path = dir.join(format!("{NAME_PREFIX}{}", random_hex()?));
     let file = OpenOptions::new()

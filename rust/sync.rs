@@ -18,7 +18,7 @@
 //! CPU, and no wait outlives its deadline.
 
 use crate::error::{Error, Result};
-use crate::segment::{GroupLine, Segment};
+use crate::segment::{self, GroupLine, Segment};
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -94,23 +94,6 @@ fn current_cpu() -> u32 {
     }
 }
 
-/// Whether process `pid` is gone (no such process, or a zombie waiting to be reaped).
-pub fn pid_dead(pid: u32) -> bool {
-    if pid == 0 {
-        return false;
-    }
-    // SAFETY: signal 0 only checks for existence and permission.
-    let rc = unsafe { libc::kill(pid as libc::pid_t, 0) };
-    if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH) {
-        return true;
-    }
-    // A zombie still answers kill(0); its state letter in /proc/<pid>/stat is Z or X.
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(s) => s.rsplit_once(')').and_then(|(_, rest)| rest.trim_start().chars().next()).is_some_and(|c| c == 'Z' || c == 'X'),
-        Err(_) => false,
-    }
-}
-
 /// Waits until every rank has arrived at `step`.
 ///
 /// Errors: `Aborted` if the group was aborted, `PeerDied` if a missing rank's process is
@@ -174,7 +157,7 @@ fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
         .iter()
         .filter_map(|&r| {
             let pid = seg.ctrl(r).pid.load(Ordering::Relaxed);
-            pid_dead(pid).then(|| format!("rank {r} (pid {pid})"))
+            segment::pid_dead(pid).then(|| format!("rank {r} (pid {pid})"))
         })
         .collect();
     if !dead.is_empty() {

@@ -800,6 +800,11 @@ def rank_bad_input(case: str, bad_rank: int) -> dict:
         err = _try(lambda: dist.all_reduce(torch.ones(5), op=dist.ReduceOp.MAX if bad else dist.ReduceOp.SUM))
     elif case == "broadcast root differs between ranks":
         err = _try(lambda: dist.broadcast(torch.ones(5), src=(rank + 1) % n if bad else 0))
+    elif case == "all_to_all_single split sizes differ between ranks":
+        rows = [1, 2, 3] if bad else [2] * n
+        err = _try(lambda: dist.all_to_all_single(torch.zeros(2 * n), torch.ones(2 * n), rows[::-1], rows))
+    elif case == "all_reduce premul_sum factor differs between ranks":
+        err = _try(lambda: dist.all_reduce(torch.ones(5), op=dist._make_nccl_premul_sum(3.0 if bad else 2.0)))
     elif case == "bitwise op on float, all ranks":
         err = _try(lambda: dist.all_reduce(torch.ones(5), op=dist.ReduceOp.BAND))
     elif case == "avg on bool, all ranks":
@@ -830,6 +835,8 @@ BAD_INPUT_CASES = {
     "all_reduce dtype differs between ranks": (1, "", ("ValueError",)),
     "all_reduce op differs between ranks": (0, "", ("ValueError",)),
     "broadcast root differs between ranks": (1, "", ("ValueError",)),
+    "all_to_all_single split sizes differ between ranks": (1, "split sizes", ("ValueError",)),
+    "all_reduce premul_sum factor differs between ranks": (0, "factor", ("ValueError",)),
     "bitwise op on float, all ranks": (-1, "BAND", ("TypeError",)),
     "avg on bool, all ranks": (-1, "AVG", ("TypeError",)),
 }

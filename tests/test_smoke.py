@@ -127,3 +127,48 @@ def test_world_size_one_in_process(tmp_path, monkeypatch):
     finally:
         dist.destroy_process_group()
     assert os.listdir(segment_dir) == []
+
+
+LONELY_RANK = r"""
+import sys
+from datetime import timedelta
+import torch.distributed as dist
+import flagos_shm
+print("READY", flush=True)
+dist.init_process_group("flagos_shm", store=dist.FileStore(sys.argv[1], 2), rank=0, world_size=2,
+                        timeout=timedelta(seconds=120))
+"""
+
+
+def test_ctrl_c_interrupts_a_rank_waiting_for_its_peers_at_init(tmp_path):
+    """Rank 0 of 2 waits for a peer that never comes; SIGINT must stop it promptly with
+    KeyboardInterrupt (not after the 120 s timeout) and remove its segment file."""
+    import signal
+    import time
+
+    segment_dir = _segment_dir()
+    try:
+        proc = subprocess.Popen([sys.executable, "-c", LONELY_RANK, str(tmp_path / "store")],
+                                env=dict(os.environ, FLAGOS_SHM_DIR=segment_dir),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout.readline().strip() == "READY"
+            deadline = time.monotonic() + 60
+            while not os.listdir(segment_dir):  # rank 0 has created its segment and waits
+                assert time.monotonic() < deadline, "rank 0 never created its segment"
+                time.sleep(0.05)
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            _, err = proc.communicate(timeout=30)
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert "KeyboardInterrupt" in err, err[-2000:]
+        assert took < 10, f"took {took:.1f} s to react to SIGINT"
+        assert os.listdir(segment_dir) == []
+    finally:
+        for name in os.listdir(segment_dir):
+            os.unlink(os.path.join(segment_dir, name))
+        os.rmdir(segment_dir)

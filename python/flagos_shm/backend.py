@@ -663,12 +663,22 @@ class ProcessGroupShm(dist.ProcessGroup):
         return sizes
 
     def _alltoall_padded(self, dst_parts: list, src_parts: list, a: _Args) -> None:
-        """All-to-all of per-peer pieces of any sizes: agree on the largest piece (allreduce
-        MAX), exchange blocks of that size, copy the pieces out."""
-        comm, n = self._comm, self._world_size
-        longest = torch.tensor([max([p.numel() for p in src_parts + dst_parts] or [0])], dtype=torch.int64)
-        comm.allreduce(longest.data_ptr(), 1, "int64", MAX, 1.0, a.timeout_s)
-        count = int(longest.item())
+        """All-to-all of per-peer pieces of any sizes: allgather every rank's piece sizes,
+        check that what each rank sends to a peer is what that peer expects (ValueError on
+        every rank otherwise: all ranks see the same sizes and decide alike, before any data
+        moves), exchange blocks of the largest piece's size, copy the pieces out."""
+        comm, n, me = self._comm, self._world_size, self._rank
+        mine = torch.tensor([p.numel() for p in src_parts] + [p.numel() for p in dst_parts], dtype=torch.int64)
+        sizes = torch.empty(n, 2 * n, dtype=torch.int64)
+        comm.allgather(mine.data_ptr(), sizes.data_ptr(), 2 * n, "int64", a.timeout_s)
+        sends, expects = sizes[:, :n], sizes[:, n:]  # sends[p][q]: p -> q; expects[q][p]: q <- p
+        bad = [(p, q) for p in range(n) for q in range(n) if sends[p, q] != expects[q, p]]
+        if bad:
+            p, q = bad[0]
+            raise ValueError(f"split sizes disagree between ranks: rank {p} sends {int(sends[p, q])} elements to "
+                             f"rank {q}, which expects {int(expects[q, p])} from it ({len(bad)} such pair(s)); "
+                             f"no data was exchanged (this rank is {me})")
+        count = int(sizes.max()) if sizes.numel() else 0
         src = staging.pack(src_parts, count)
         dst = staging.scratch(n * count, src.torch_dtype)
         comm.alltoall(src.ptr, dst.ptr, src.numel // n, src.dtype, a.timeout_s)

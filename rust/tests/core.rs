@@ -413,6 +413,23 @@ fn mismatched_calls_raise_on_every_rank_and_the_group_stays_usable() {
 }
 
 #[test]
+fn premul_sum_factors_must_agree() {
+    let outs = with_group(2, SLOT, |rank, c| {
+        let mut buf = aligned_buf(DType::F32, &[1.0; 4]);
+        let factor = if rank == 0 { 2.0 } else { 3.0 };
+        // SAFETY: buffer holds 4 f32.
+        let e = unsafe { c.allreduce(buf.as_mut_ptr().cast(), 4, DType::F32, ReduceOp::PremulSum, factor) };
+        // SAFETY: as above; equal factors work afterwards.
+        unsafe { c.allreduce(buf.as_mut_ptr().cast(), 4, DType::F32, ReduceOp::PremulSum, 0.5).unwrap() };
+        (e, decode(DType::F32, &bytes_of(&buf)[..16]))
+    });
+    for (e, vals) in outs {
+        assert!(matches!(&e, Err(Error::Mismatch(m)) if m.contains("factor 2") && m.contains("factor 3")), "{e:?}");
+        assert_eq!(vals, vec![1.0; 4]);
+    }
+}
+
+#[test]
 fn timeout_names_the_missing_rank_and_aborts_the_group() {
     let dir = tmpdir();
     let path = segment::create(&dir, 2, SLOT).unwrap();
@@ -499,5 +516,22 @@ fn bad_geometry_is_rejected_with_the_argument_named() {
     let dir = tmpdir();
     assert!(matches!(segment::create(&dir, 0, SLOT), Err(Error::InvalidArgument(m)) if m.starts_with("world_size")));
     assert!(matches!(segment::create(&dir, 2, 1000), Err(Error::InvalidArgument(m)) if m.starts_with("slot_bytes")));
+    std::fs::remove_dir(&dir).unwrap();
+}
+
+#[test]
+fn segments_of_dead_creators_are_swept_and_live_ones_kept() {
+    let dir = tmpdir();
+    let live = segment::create(&dir, 2, SLOT).unwrap();
+    let stale = segment::create(&dir, 2, SLOT).unwrap();
+    let mut child = std::process::Command::new("true").spawn().unwrap();
+    let dead_pid = child.id();
+    child.wait().unwrap();
+    // creator_pid sits after magic (8), version (4), world_size (4), slot_bytes (8),
+    // total_bytes (8) and creator_uid (4).
+    corrupt(&stale, 36, &dead_pid.to_ne_bytes());
+    assert_eq!(segment::remove_stale(&dir), vec![stale.clone()]);
+    assert!(live.exists() && !stale.exists());
+    std::fs::remove_file(&live).unwrap();
     std::fs::remove_dir(&dir).unwrap();
 }
