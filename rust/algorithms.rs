@@ -301,7 +301,9 @@ impl Communicator {
     }
 
     /// Starts a collective: refuses on a broken group, assigns its sequence number.
-    fn begin(&mut self, kind: Kind, dtype: DType, op: u32, count: usize, root: usize) -> Result<Desc> {
+    /// `red` is the reduction of reducing collectives: its op and PREMUL_SUM factor go
+    /// into the descriptor, so ranks must agree on both.
+    fn begin(&mut self, kind: Kind, dtype: DType, red: Option<&Reduction>, count: usize, root: usize) -> Result<Desc> {
         if let Some(b) = &self.broken {
             return Err(Error::Aborted(format!("{}: the group is no longer usable: {b}", kind.name())));
         }
@@ -309,7 +311,16 @@ impl Communicator {
             self.broken = Some(format!("the group was aborted by rank {r}"));
             return Err(Error::Aborted(format!("{}: the group was aborted by rank {r}", kind.name())));
         }
-        let d = Desc { kind: kind as u8, dtype: dtype as u32, op, flags: 0, count: count as u64, root: root as u64, seq: self.seq, factor: 0 };
+        let d = Desc {
+            kind: kind as u8,
+            dtype: dtype as u32,
+            op: red.map_or(0, |r| r.op as u32),
+            flags: 0,
+            count: count as u64,
+            root: root as u64,
+            seq: self.seq,
+            factor: red.map_or(0, |r| r.factor.to_bits()),
+        };
         self.seq += 1;
         Ok(d)
     }
@@ -403,14 +414,14 @@ impl Communicator {
 
     /// Waits until every rank has called `barrier`.
     pub fn barrier(&mut self) -> Result<()> {
-        let d = self.begin(Kind::Barrier, DType::U8, 0, 0, 0)?;
+        let d = self.begin(Kind::Barrier, DType::U8, None, 0, 0)?;
         self.sync(Some(&d))
     }
 
     /// Joins the next position of the sequence as a rank whose arguments to `kind` were
     /// invalid: peers raise `Mismatch` naming this rank instead of waiting for it.
     pub fn fail(&mut self, kind: Option<Kind>) -> Result<()> {
-        let mut d = self.begin(kind.unwrap_or(Kind::Barrier), DType::U8, 0, 0, 0)?;
+        let mut d = self.begin(kind.unwrap_or(Kind::Barrier), DType::U8, None, 0, 0)?;
         d.flags = FLAG_FAIL;
         self.sync(Some(&d))
     }
@@ -421,8 +432,7 @@ impl Communicator {
     /// See the contract above; `buf`: `count` elements, read and written.
     pub unsafe fn allreduce(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
         let red = self.reduction(dtype, op, factor)?;
-        let mut d = self.begin(Kind::Allreduce, dtype, op as u32, count, 0)?;
-        d.factor = red.factor.to_bits();
+        let d = self.begin(Kind::Allreduce, dtype, Some(&red), count, 0)?;
         let es = dtype.size();
         let per = self.seg.slot_bytes() / es;
         let two_step = self.n > 2 && count * es > ONE_SHOT_MAX_BYTES;
@@ -466,7 +476,7 @@ impl Communicator {
     /// See the contract above; `buf`: `count` elements, read on the root, written elsewhere.
     pub unsafe fn broadcast(&mut self, buf: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
         self.check_root(root)?;
-        let d = self.begin(Kind::Broadcast, dtype, 0, count, root)?;
+        let d = self.begin(Kind::Broadcast, dtype, None, count, root)?;
         let es = dtype.size();
         let per = self.seg.slot_bytes() / es;
         for c in 0..Self::steps(count, per) {
@@ -494,8 +504,7 @@ impl Communicator {
     pub unsafe fn reduce(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64, root: usize) -> Result<()> {
         self.check_root(root)?;
         let red = self.reduction(dtype, op, factor)?;
-        let mut d = self.begin(Kind::Reduce, dtype, op as u32, count, root)?;
-        d.factor = red.factor.to_bits();
+        let d = self.begin(Kind::Reduce, dtype, Some(&red), count, root)?;
         let es = dtype.size();
         let per = self.seg.slot_bytes() / es;
         for c in 0..Self::steps(count, per) {
@@ -526,7 +535,7 @@ impl Communicator {
             self.check_root(q)?;
         }
         let kind = if root.is_some() { Kind::Gather } else { Kind::Allgather };
-        let d = self.begin(kind, dtype, 0, count, root.unwrap_or(0))?;
+        let d = self.begin(kind, dtype, None, count, root.unwrap_or(0))?;
         let es = dtype.size();
         let per = self.seg.slot_bytes() / es;
         for c in 0..Self::steps(count, per) {
@@ -574,7 +583,7 @@ impl Communicator {
     /// See the contract above.
     pub unsafe fn scatter(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
         self.check_root(root)?;
-        let d = self.begin(Kind::Scatter, dtype, 0, count, root)?;
+        let d = self.begin(Kind::Scatter, dtype, None, count, root)?;
         let es = dtype.size();
         let per = self.seg.slot_bytes() / es / self.n;
         for c in 0..Self::steps(count, per) {
@@ -599,12 +608,8 @@ impl Communicator {
     /// rank's piece `rank` into `output` (`count` elements), alltoall writes rank q's piece
     /// `rank` to `output[q * count ..]` (`n * count` elements).
     unsafe fn exchange(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, red: Option<Reduction>) -> Result<()> {
-        let (kind, op) = match red {
-            Some(r) => (Kind::ReduceScatter, r.op as u32),
-            None => (Kind::Alltoall, 0),
-        };
-        let mut d = self.begin(kind, dtype, op, count, 0)?;
-        d.factor = red.map_or(0, |r| r.factor.to_bits());
+        let kind = if red.is_some() { Kind::ReduceScatter } else { Kind::Alltoall };
+        let d = self.begin(kind, dtype, red.as_ref(), count, 0)?;
         let es = dtype.size();
         let per = self.seg.slot_bytes() / es / self.n;
         let mut srcs = vec![std::ptr::null::<u8>(); self.n];

@@ -397,13 +397,6 @@ fn fmax<A: PartialOrd + Copy>(a: A, b: A) -> A {
     }
 }
 
-/// Re-types a source pointer list for [`reduce_direct`] (a no-op cast: T is the element type).
-macro_rules! srcs_direct {
-    ($t:ty, $srcs:expr) => {
-        $srcs.iter().map(|p| *p as *const $t).collect::<Vec<*const $t>>()
-    };
-}
-
 macro_rules! float_reduce {
     ($t:ty, $acc:ty, $direct:expr, $dst:expr, $srcs:expr, $len:expr, $red:expr) => {{
         let dst = $dst as *mut $t;
@@ -412,10 +405,10 @@ macro_rules! float_reduce {
         let f = $red.factor as $acc;
         let id = |a: $acc| a;
         match $red.op {
-            ReduceOp::Sum if $direct => reduce_direct::<$t>(dst as _, &srcs_direct!($t, srcs), $len, |a: $t, b: $t| a + b),
-            ReduceOp::Product if $direct => reduce_direct::<$t>(dst as _, &srcs_direct!($t, srcs), $len, |a: $t, b: $t| a * b),
-            ReduceOp::Min if $direct => reduce_direct::<$t>(dst as _, &srcs_direct!($t, srcs), $len, fmin::<$t>),
-            ReduceOp::Max if $direct => reduce_direct::<$t>(dst as _, &srcs_direct!($t, srcs), $len, fmax::<$t>),
+            ReduceOp::Sum if $direct => reduce_direct::<$t>(dst, &srcs, $len, |a: $t, b: $t| a + b),
+            ReduceOp::Product if $direct => reduce_direct::<$t>(dst, &srcs, $len, |a: $t, b: $t| a * b),
+            ReduceOp::Min if $direct => reduce_direct::<$t>(dst, &srcs, $len, fmin::<$t>),
+            ReduceOp::Max if $direct => reduce_direct::<$t>(dst, &srcs, $len, fmax::<$t>),
             ReduceOp::Sum => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a + b, id),
             ReduceOp::Avg => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a + b, |a| a / n),
             ReduceOp::PremulSum => reduce_with::<$t>(dst, &srcs, $len, |a| a * f, |a, b| a + b, id),

@@ -44,10 +44,10 @@ ENV_EMULATE = "FLAGOS_SHM_EMULATE"
 
 
 def register() -> None:
-    """Register (again) the ``"flagos_shm"`` backend with ``torch.distributed``.
+    """Register the ``"flagos_shm"`` backend with ``torch.distributed``.
 
-    Called on import; calling it again, or re-importing the package, only refreshes the
-    registration. ``register_backend`` fills only missing ``device -> backend`` defaults,
+    Called on import. Idempotent: a second call (or re-importing the package) keeps the
+    first registration and only re-asserts the device defaults. ``register_backend`` fills only missing ``device -> backend`` defaults,
     so the ``flagos`` default is set explicitly: whether a vendor plugin (torch_fl) or the
     emulator is imported before or after flagos_shm, ``flagos`` maps to flagos_shm (a plugin
     imported later that remaps it on purpose wins). ``cpu`` stays with gloo.
