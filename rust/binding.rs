@@ -3,7 +3,8 @@
 //! Buffers are passed as raw addresses (`tensor.data_ptr()`) and element counts, so the
 //! Python side copies nothing; the Python layer (`flagos_shm.staging`) guarantees that
 //! each address points to contiguous host memory of the stated dtype and length, and keeps
-//! the tensor alive for the call. Every collective releases the GIL for its whole
+//! the tensor alive for the call (for a call given a `done` callback: until the callback
+//! has been called). Every collective releases the GIL for its whole
 //! duration; while it waits it re-takes the GIL briefly every few milliseconds only to
 //! check for signals, so Ctrl-C interrupts a waiting rank (and aborts its group).
 //!
@@ -15,6 +16,7 @@
 
 use crate::algorithms::{AbortHandle, Communicator, Kind, ONE_SHOT_MAX_BYTES};
 use crate::error::Error;
+use crate::progress::{self, Progress};
 use crate::reduce::{DType, ReduceOp};
 use crate::segment::{self, DEFAULT_SLOT_BYTES};
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
@@ -90,7 +92,7 @@ fn segment_bytes(world_size: usize, slot_bytes: usize) -> PyResult<usize> {
 /// `timeout_s` overrides the communicator's timeout for one call.
 #[pyclass(name = "Communicator", module = "flagos_shm._core")]
 struct PyCommunicator {
-    inner: Mutex<Option<Communicator>>,
+    inner: Progress,
     aborter: AbortHandle,
     pending: Pending,
     #[pyo3(get)]
@@ -106,7 +108,8 @@ struct PyCommunicator {
 }
 
 impl PyCommunicator {
-    /// Runs `f` on the communicator with the GIL released.
+    /// Runs `f` on the communicator on the calling thread with the GIL released, after
+    /// every previously submitted collective has finished.
     fn run<R: Send>(
         &self,
         py: Python<'_>,
@@ -114,18 +117,60 @@ impl PyCommunicator {
         f: impl FnOnce(&mut Communicator) -> Result<R, Error> + Send,
     ) -> PyResult<R> {
         let t = timeout_s.map(|s| duration("timeout_s", s)).transpose()?;
-        let out = py.detach(|| {
-            let mut guard = self.inner.lock().unwrap_or_else(|p| p.into_inner());
-            let comm = guard.as_mut().ok_or_else(|| Error::Aborted("the communicator is closed".into()))?;
-            let saved = comm.timeout();
-            if let Some(t) = t {
-                comm.set_timeout(t);
-            }
-            let r = f(comm);
-            comm.set_timeout(saved);
-            r
-        });
-        out.map_err(|e| to_py(e, Some(&self.pending)))
+        py.detach(|| self.inner.run(|comm| with_timeout(comm, t, f)))
+            .map_err(|e| to_py(e, Some(&self.pending)))
+    }
+
+    /// Runs collective `f` inline (`done` is None: returns when it has finished, raising
+    /// its error) or queues it on the progress thread (`done` is a callable: returns at
+    /// once; `done(None)` or `done(exception)` is called later on the progress thread,
+    /// with the GIL held).
+    fn dispatch(
+        &self,
+        py: Python<'_>,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+        f: impl FnOnce(&mut Communicator) -> Result<(), Error> + Send + 'static,
+    ) -> PyResult<()> {
+        let Some(callback) = done else {
+            return self.run(py, timeout_s, f);
+        };
+        let t = timeout_s.map(|s| duration("timeout_s", s)).transpose()?;
+        self.inner.submit(
+            Box::new(move |comm| with_timeout(comm, t, f)),
+            Box::new(move |result| {
+                Python::attach(|py| {
+                    let arg = match result {
+                        Ok(()) => py.None(),
+                        Err(e) => to_py(e, None).into_value(py).into_any(),
+                    };
+                    if let Err(err) = callback.call1(py, (arg,)) {
+                        err.write_unraisable(py, Some(callback.bind(py)));
+                    }
+                    drop(callback);
+                })
+            }),
+        );
+        Ok(())
+    }
+}
+
+/// Runs `f` with the communicator's timeout set to `t` (when given) for this call only.
+fn with_timeout<R>(comm: &mut Communicator, t: Option<Duration>, f: impl FnOnce(&mut Communicator) -> Result<R, Error>) -> Result<R, Error> {
+    let saved = comm.timeout();
+    if let Some(t) = t {
+        comm.set_timeout(t);
+    }
+    let r = f(comm);
+    comm.set_timeout(saved);
+    r
+}
+
+impl Drop for PyCommunicator {
+    fn drop(&mut self) {
+        // Joining the progress thread needs the GIL released: its completion callbacks take it.
+        let inner = &self.inner;
+        Python::attach(|py| py.detach(|| inner.close()));
     }
 }
 
@@ -138,6 +183,9 @@ impl PyCommunicator {
         let pending: Pending = Arc::new(Mutex::new(None));
         let hook_pending = Arc::clone(&pending);
         let hook = move || {
+            if progress::on_progress_thread() {
+                return false; // signals are handled by the thread waiting on the work
+            }
             Python::attach(|py| match py.check_signals() {
                 Ok(()) => false,
                 Err(e) => {
@@ -154,7 +202,7 @@ impl PyCommunicator {
             aborter: comm.abort_handle(),
             slot_bytes: comm.slot_bytes(),
             segment_bytes: comm.segment_len(),
-            inner: Mutex::new(Some(comm)),
+            inner: Progress::new(comm),
             pending,
             rank,
             world_size,
@@ -165,7 +213,7 @@ impl PyCommunicator {
     /// Number of collectives issued on this communicator so far.
     #[getter]
     fn seq(&self, py: Python<'_>) -> u64 {
-        py.detach(|| self.inner.lock().unwrap_or_else(|p| p.into_inner()).as_ref().map_or(0, |c| c.seq()))
+        py.detach(|| self.inner.run(|c| Ok(c.seq())).unwrap_or(0))
     }
 
     /// Sets the default timeout of later calls, in seconds.
@@ -178,9 +226,9 @@ impl PyCommunicator {
     }
 
     /// Blocks until every rank of the group called barrier().
-    #[pyo3(signature = (timeout_s=None))]
-    fn barrier(&self, py: Python<'_>, timeout_s: Option<f64>) -> PyResult<()> {
-        self.run(py, timeout_s, |c| c.barrier())
+    #[pyo3(signature = (timeout_s=None, done=None))]
+    fn barrier(&self, py: Python<'_>, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
+        self.dispatch(py, timeout_s, done, |c| c.barrier())
     }
 
     /// Takes this rank's turn at the next position of the group's sequence as a rank whose
@@ -194,95 +242,95 @@ impl PyCommunicator {
     }
 
     /// In-place allreduce of `numel` elements at address `ptr`.
-    #[pyo3(signature = (ptr, numel, dtype, op, factor=1.0, timeout_s=None))]
-    fn allreduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>) -> PyResult<()> {
+    #[pyo3(signature = (ptr, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
+    fn allreduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
         let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
         need_ptr("ptr", ptr, numel, dt.size())?;
         // SAFETY: the Python layer passes the address of a live contiguous host tensor of
         // `numel` elements of `dtype` (binding contract, module docs).
-        self.run(py, timeout_s, |c| unsafe { c.allreduce(ptr as *mut u8, numel, dt, op, factor) })
+        self.dispatch(py, timeout_s, done, move |c| unsafe { c.allreduce(ptr as *mut u8, numel, dt, op, factor) })
     }
 
     /// In-place broadcast of `numel` elements at `ptr` from group rank `root`.
-    #[pyo3(signature = (ptr, numel, dtype, root, timeout_s=None))]
-    fn broadcast(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>) -> PyResult<()> {
+    #[pyo3(signature = (ptr, numel, dtype, root, timeout_s=None, done=None))]
+    fn broadcast(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
         let dt = self::dtype(dtype)?;
         need_ptr("ptr", ptr, numel, dt.size())?;
         // SAFETY: binding contract (module docs).
-        self.run(py, timeout_s, |c| unsafe { c.broadcast(ptr as *mut u8, numel, dt, root) })
+        self.dispatch(py, timeout_s, done, move |c| unsafe { c.broadcast(ptr as *mut u8, numel, dt, root) })
     }
 
     /// In-place reduce of `numel` elements at `ptr` to group rank `root` (only the root's
     /// buffer is written).
-    #[pyo3(signature = (ptr, numel, dtype, op, root, factor=1.0, timeout_s=None))]
+    #[pyo3(signature = (ptr, numel, dtype, op, root, factor=1.0, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, root: usize, factor: f64, timeout_s: Option<f64>) -> PyResult<()> {
+    fn reduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, root: usize, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
         let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
         need_ptr("ptr", ptr, numel, dt.size())?;
         // SAFETY: binding contract (module docs).
-        self.run(py, timeout_s, |c| unsafe { c.reduce(ptr as *mut u8, numel, dt, op, factor, root) })
+        self.dispatch(py, timeout_s, done, move |c| unsafe { c.reduce(ptr as *mut u8, numel, dt, op, factor, root) })
     }
 
     /// Allgather: `in_ptr` holds `numel` elements, `out_ptr` receives `world_size * numel`
     /// (rank r's at `[r * numel, (r + 1) * numel)`).
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, timeout_s=None))]
-    fn allgather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>) -> PyResult<()> {
+    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, timeout_s=None, done=None))]
+    fn allgather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
         let dt = self::dtype(dtype)?;
         need_ptr("in_ptr", in_ptr, numel, dt.size())?;
         need_ptr("out_ptr", out_ptr, numel, dt.size())?;
         // SAFETY: binding contract (module docs).
-        self.run(py, timeout_s, |c| unsafe { c.allgather(in_ptr as *const u8, out_ptr as *mut u8, numel, dt) })
+        self.dispatch(py, timeout_s, done, move |c| unsafe { c.allgather(in_ptr as *const u8, out_ptr as *mut u8, numel, dt) })
     }
 
     /// Reduce-scatter: `in_ptr` holds `world_size * numel` elements, `out_ptr` receives
     /// the `numel`-element reduction of piece `rank`.
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, op, factor=1.0, timeout_s=None))]
+    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>) -> PyResult<()> {
+    fn reduce_scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
         let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
         need_ptr("in_ptr", in_ptr, numel, dt.size())?;
         need_ptr("out_ptr", out_ptr, numel, dt.size())?;
         // SAFETY: binding contract (module docs).
-        self.run(py, timeout_s, |c| unsafe { c.reduce_scatter(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, op, factor) })
+        self.dispatch(py, timeout_s, done, move |c| unsafe { c.reduce_scatter(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, op, factor) })
     }
 
     /// Gather to `root`: `in_ptr` holds `numel` elements; the root's `out_ptr` receives
     /// `world_size * numel` (non-roots pass 0).
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, root, timeout_s=None))]
+    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, root, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn gather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>) -> PyResult<()> {
+    fn gather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
         let dt = self::dtype(dtype)?;
         need_ptr("in_ptr", in_ptr, numel, dt.size())?;
         if root == self.rank {
             need_ptr("out_ptr", out_ptr, numel, dt.size())?;
         }
         // SAFETY: binding contract (module docs); non-roots never touch out_ptr.
-        self.run(py, timeout_s, |c| unsafe { c.gather(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, root) })
+        self.dispatch(py, timeout_s, done, move |c| unsafe { c.gather(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, root) })
     }
 
     /// Scatter from `root`: the root's `in_ptr` holds `world_size * numel` elements
     /// (non-roots pass 0); `out_ptr` receives this rank's `numel`-element piece.
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, root, timeout_s=None))]
+    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, root, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>) -> PyResult<()> {
+    fn scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
         let dt = self::dtype(dtype)?;
         if root == self.rank {
             need_ptr("in_ptr", in_ptr, numel, dt.size())?;
         }
         need_ptr("out_ptr", out_ptr, numel, dt.size())?;
         // SAFETY: binding contract (module docs); non-roots never touch in_ptr.
-        self.run(py, timeout_s, |c| unsafe { c.scatter(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, root) })
+        self.dispatch(py, timeout_s, done, move |c| unsafe { c.scatter(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, root) })
     }
 
     /// All-to-all: `in_ptr` and `out_ptr` hold `world_size * numel` elements each (must
     /// not overlap); input piece q goes to rank q, rank q's piece lands in output piece q.
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, timeout_s=None))]
-    fn alltoall(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>) -> PyResult<()> {
+    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, timeout_s=None, done=None))]
+    fn alltoall(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
         let dt = self::dtype(dtype)?;
         need_ptr("in_ptr", in_ptr, numel, dt.size())?;
         need_ptr("out_ptr", out_ptr, numel, dt.size())?;
         // SAFETY: binding contract (module docs).
-        self.run(py, timeout_s, |c| unsafe { c.alltoall(in_ptr as *const u8, out_ptr as *mut u8, numel, dt) })
+        self.dispatch(py, timeout_s, done, move |c| unsafe { c.alltoall(in_ptr as *const u8, out_ptr as *mut u8, numel, dt) })
     }
 
     /// Aborts the group: every rank's pending and later calls raise RuntimeError. Safe to
@@ -294,14 +342,12 @@ impl PyCommunicator {
     /// Unmaps the segment; later calls raise RuntimeError. Idempotent. Waits for a running
     /// collective on this communicator to finish (abort() first to cut it short).
     fn close(&self, py: Python<'_>) {
-        py.detach(|| {
-            self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
-        });
+        py.detach(|| self.inner.close());
     }
 
     #[getter]
     fn closed(&self, py: Python<'_>) -> bool {
-        py.detach(|| self.inner.lock().unwrap_or_else(|p| p.into_inner()).is_none())
+        py.detach(|| self.inner.is_closed())
     }
 
     fn __repr__(&self) -> String {

@@ -6,6 +6,7 @@
 
 pub mod algorithms;
 pub mod error;
+pub mod progress;
 pub mod reduce;
 pub mod segment;
 pub mod sync;

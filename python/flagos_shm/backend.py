@@ -39,6 +39,7 @@ __all__ = ["BACKEND_NAME", "ProcessGroupShm", "create_process_group", "segment_c
 BACKEND_NAME = "flagos_shm"
 ENV_DIR = "FLAGOS_SHM_DIR"
 ENV_SLOT_BYTES = "FLAGOS_SHM_SLOT_BYTES"
+ENV_ASYNC = "FLAGOS_SHM_ASYNC"  # "0": run async_op=True collectives inline too (debugging, measurements)
 DEFAULT_DIR = "/dev/shm"
 
 # torch's RedOpType numbering, which the core uses as well.
@@ -238,6 +239,7 @@ class ProcessGroupShm(dist.ProcessGroup):
         self._group_name, self._group_desc = group_name, ""
         self._lock = threading.Lock()
         self._closed = False
+        self._async = os.environ.get(ENV_ASYNC, "1").strip() != "0"
         timeout_s = _timeout_seconds(timeout) or default_pg_timeout.total_seconds()
         path = _rendezvous(store, rank, world_size)
         try:
@@ -323,21 +325,86 @@ class ProcessGroupShm(dist.ProcessGroup):
         return _Args(code, factor, root, _timeout_seconds(timeout))
 
     def _run(self, name: str, outputs: list, buffers: Sequence[staging.HostBuffer],
-             transfer: Callable[[], None]) -> ShmWork:
-        """Run ``transfer`` (the core calls), write results back, and wrap up in a ShmWork.
+             calls: Sequence[Callable], opts=None, after: Optional[Callable[[], None]] = None,
+             can_async: bool = True) -> ShmWork:
+        """Issue the core calls of one collective and return its ShmWork.
 
-        Validation is over when this is called; errors raised here come from the transfer
-        and are stored in the work (``wait()`` re-raises them), prefixed with the group.
+        Args:
+            calls: each issues one core call, given the ``done`` argument to pass on to it
+                (``None``: run inline; a callable: queue it on the progress thread).
+            opts: the call's options; ``opts.asyncOp`` (c10d sets it from ``async_op``, and
+                it defaults to True for C++ callers such as DDP) selects the asynchronous
+                path unless ``FLAGOS_SHM_ASYNC=0`` or ``can_async`` is False.
+            after: run once every call has succeeded, before the write-back (e.g. copying a
+                scratch buffer out into the caller's list of tensors).
+
+        Validation is over when this is called; errors raised by the transfer are stored in
+        the work (``wait()`` re-raises them), prefixed with the group.
         """
+        if can_async and self._async and getattr(opts, "asyncOp", False) is True:
+            return self._run_async(name, outputs, buffers, calls, after)
         try:
             with self._lock:
                 if self._closed:
                     raise RuntimeError("the process group has been shut down")
-                transfer()
+                for call in calls:
+                    call(None)
+                if after is not None:
+                    after()
                 staging.finish(buffers)
         except Exception as exc:
             return ShmWork(outputs, self._error(name, exc))
         return ShmWork(outputs)
+
+    def _run_async(self, name: str, outputs: list, buffers: Sequence[staging.HostBuffer],
+                   calls: Sequence[Callable], after: Optional[Callable[[], None]]) -> ShmWork:
+        """Queue ``calls`` on the progress thread; the work completes after the last one.
+
+        The completion callback runs on the progress thread (GIL held): it runs ``after``
+        and the write-back, then completes the work and its future. The callback holds the
+        buffers (and so the caller's tensors and pinned staging memory) until then.
+        """
+        work = ShmWork(outputs, pending=True, abort=self.abort)
+        # The core only holds raw addresses: everything the calls read or write (captured
+        # by the ``calls`` closures: inputs, scratch and packed buffers) must stay alive
+        # until the last call has finished.
+        keep_alive = [calls, buffers, after]
+        left = [len(calls)]
+        errors: list = []
+        lock = threading.Lock()
+
+        def done(error, count: int = 1) -> None:
+            with lock:
+                if error is not None:
+                    errors.append(error)
+                left[0] -= count
+                last = left[0] == 0
+            if not last:
+                return
+            first = errors[0] if errors else None
+            keep_alive.clear()
+            if first is None:
+                try:
+                    if after is not None:
+                        after()
+                    staging.finish(buffers)
+                except Exception as exc:
+                    first = exc
+            work._complete(None if first is None else self._error(name, first))
+
+        if not calls:
+            work._complete()
+            return work
+        with self._lock:
+            for i, call in enumerate(calls):
+                try:
+                    if self._closed:
+                        raise RuntimeError("the process group has been shut down")
+                    call(done)
+                except Exception as exc:  # not queued: this and the later calls never report
+                    done(exc, len(calls) - i)
+                    break
+        return work
 
     def _error(self, name: str, exc: Exception) -> Exception:
         """Re-create ``exc`` with the group, rank and collective in its message."""
@@ -374,8 +441,8 @@ class ProcessGroupShm(dist.ProcessGroup):
                                 "tensors[0]", read=True, write=True)
             _check_op(a.op, buf, "tensors[0]")
         comm = self._comm
-        return self._run(name, [buf.tensor], [buf], lambda: comm.allreduce(
-            buf.ptr, buf.numel, buf.dtype, a.op, a.factor, a.timeout_s))
+        return self._run(name, [buf.tensor], [buf], [lambda done: comm.allreduce(
+            buf.ptr, buf.numel, buf.dtype, a.op, a.factor, a.timeout_s, done)], opts)
 
     def allreduce_coalesced(self, tensors, opts=None) -> ShmWork:
         """Reduce each tensor of ``tensors`` (one dtype) in place; one collective per tensor."""
@@ -389,11 +456,9 @@ class ProcessGroupShm(dist.ProcessGroup):
             for buf, arg in zip(bufs, args):
                 _check_op(a.op, buf, arg)
         comm = self._comm
-
-        def transfer():
-            for buf in bufs:
-                comm.allreduce(buf.ptr, buf.numel, buf.dtype, a.op, a.factor, a.timeout_s)
-        return self._run(name, tensors, bufs, transfer)
+        calls = [lambda done, b=buf: comm.allreduce(b.ptr, b.numel, b.dtype, a.op, a.factor, a.timeout_s, done)
+                 for buf in bufs]
+        return self._run(name, tensors, bufs, calls, opts)
 
     def broadcast(self, tensors, opts=None, timeout=None) -> ShmWork:
         """Copy the root's ``tensors[0]`` into every rank's ``tensors[0]``.
@@ -409,8 +474,8 @@ class ProcessGroupShm(dist.ProcessGroup):
             is_root = a.root == self._rank
             buf = staging.stage(_single(tensors, "tensors"), "tensors[0]", read=is_root, write=not is_root)
         comm = self._comm
-        return self._run(name, [buf.tensor], [buf], lambda: comm.broadcast(
-            buf.ptr, buf.numel, buf.dtype, a.root, a.timeout_s))
+        return self._run(name, [buf.tensor], [buf], [lambda done: comm.broadcast(
+            buf.ptr, buf.numel, buf.dtype, a.root, a.timeout_s, done)], opts)
 
     def reduce(self, tensors, opts=None, op=None, timeout=None) -> ShmWork:
         """Reduce every rank's ``tensors[0]`` into the root's ``tensors[0]`` (others unchanged).
@@ -425,8 +490,8 @@ class ProcessGroupShm(dist.ProcessGroup):
             buf = staging.stage(_single(tensors, "tensors"), "tensors[0]", read=True, write=a.root == self._rank)
             _check_op(a.op, buf, "tensors[0]")
         comm = self._comm
-        return self._run(name, [buf.tensor], [buf], lambda: comm.reduce(
-            buf.ptr, buf.numel, buf.dtype, a.op, a.root, a.factor, a.timeout_s))
+        return self._run(name, [buf.tensor], [buf], [lambda done: comm.reduce(
+            buf.ptr, buf.numel, buf.dtype, a.op, a.root, a.factor, a.timeout_s, done)], opts)
 
     # ---- allgather ----------------------------------------------------------------------
 
@@ -452,13 +517,11 @@ class ProcessGroupShm(dist.ProcessGroup):
                 raise ValueError(f"output_tensors[0][{self._rank}]: expected {inp.tensor.numel()} elements "
                                  f"(this rank's input), got {counts[self._rank]}")
         comm, n, count = self._comm, self._world_size, max(counts)
-
-        def transfer():
-            src = inp if inp.tensor.numel() == count else staging.pack([inp.host], count)
-            dst = staging.scratch(n * count, inp.torch_dtype)
-            comm.allgather(src.ptr, dst.ptr, src.numel, src.dtype, a.timeout_s)
-            staging.unpack(dst, outs, count)
-        return self._run(name, outs, [], transfer)
+        src = inp if inp.tensor.numel() == count else staging.pack([inp.host], count)
+        dst = staging.scratch(n * count, inp.torch_dtype)
+        return self._run(name, outs, [], [lambda done: comm.allgather(src.ptr, dst.ptr, src.numel, src.dtype,
+                                                                      a.timeout_s, done)],
+                         opts, after=lambda: staging.unpack(dst, outs, count))
 
     @staticmethod
     def _check_list(tensors: list, arg: str, like: staging.HostBuffer, write: bool) -> None:
@@ -480,8 +543,8 @@ class ProcessGroupShm(dist.ProcessGroup):
                 raise ValueError(f"output: expected world_size * input.numel() = {self._world_size} * "
                                  f"{inp.tensor.numel()} elements, got {output.numel()}")
         comm = self._comm
-        return self._run(name, [output], [out], lambda: comm.allgather(
-            inp.ptr, out.ptr, inp.numel, inp.dtype, a.timeout_s))
+        return self._run(name, [output], [out], [lambda done: comm.allgather(
+            inp.ptr, out.ptr, inp.numel, inp.dtype, a.timeout_s, done)], opts)
 
     _allgather_base = all_gather_single
 
@@ -505,13 +568,15 @@ class ProcessGroupShm(dist.ProcessGroup):
                                      f"{t.numel()} elements")
                 jobs.append((outs, inp))
         comm, n = self._comm, self._world_size
+        dsts = [staging.scratch(n * inp.tensor.numel(), inp.torch_dtype) for _, inp in jobs]
+        calls = [lambda done, inp=inp, dst=dst: comm.allgather(inp.ptr, dst.ptr, inp.numel, inp.dtype,
+                                                               a.timeout_s, done)
+                 for (_, inp), dst in zip(jobs, dsts)]
 
-        def transfer():
-            for outs, inp in jobs:
-                dst = staging.scratch(n * inp.tensor.numel(), inp.torch_dtype)
-                comm.allgather(inp.ptr, dst.ptr, inp.numel, inp.dtype, a.timeout_s)
+        def after():
+            for (outs, inp), dst in zip(jobs, dsts):
                 staging.unpack(dst, outs, inp.tensor.numel())
-        return self._run(name, [o for row in rows for o in row], [], transfer)
+        return self._run(name, [o for row in rows for o in row], [], calls, opts, after=after)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> ShmWork:
         """``all_gather_single`` of each ``(outputs[i], inputs[i])`` pair (one collective each)."""
@@ -524,11 +589,10 @@ class ProcessGroupShm(dist.ProcessGroup):
                     raise ValueError(f"outputs[{i}]: expected world_size * inputs[{i}].numel() = "
                                      f"{self._world_size * inp.tensor.numel()} elements, got {out.tensor.numel()}")
         comm = self._comm
-
-        def transfer():
-            for out, inp in pairs:
-                comm.allgather(inp.ptr, out.ptr, inp.numel, inp.dtype, a.timeout_s)
-        return self._run(name, list(outputs), [out for out, _ in pairs], transfer)
+        calls = [lambda done, out=out, inp=inp: comm.allgather(inp.ptr, out.ptr, inp.numel, inp.dtype,
+                                                               a.timeout_s, done)
+                 for out, inp in pairs]
+        return self._run(name, list(outputs), [out for out, _ in pairs], calls, opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -563,11 +627,9 @@ class ProcessGroupShm(dist.ProcessGroup):
                                      f"elements, got {t.numel()}")
             _check_op(a.op, out, "output_tensors[0]")
         comm = self._comm
-
-        def transfer():
-            src = staging.pack(ins, out.tensor.numel())
-            comm.reduce_scatter(src.ptr, out.ptr, out.numel, out.dtype, a.op, a.factor, a.timeout_s)
-        return self._run(name, [out.tensor], [out], transfer)
+        src = staging.pack(ins, out.tensor.numel())
+        return self._run(name, [out.tensor], [out], [lambda done: comm.reduce_scatter(
+            src.ptr, out.ptr, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
 
     def reduce_scatter_single(self, output, input, opts=None) -> ShmWork:
         """Reduce ``input`` (``world_size * output.numel()`` elements) over all ranks; rank r
@@ -581,8 +643,8 @@ class ProcessGroupShm(dist.ProcessGroup):
                                  f"{output.numel()} elements, got {input.numel()}")
             _check_op(a.op, out, "output")
         comm = self._comm
-        return self._run(name, [output], [out], lambda: comm.reduce_scatter(
-            inp.ptr, out.ptr, out.numel, out.dtype, a.op, a.factor, a.timeout_s))
+        return self._run(name, [output], [out], [lambda done: comm.reduce_scatter(
+            inp.ptr, out.ptr, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -598,11 +660,10 @@ class ProcessGroupShm(dist.ProcessGroup):
                                      f"{self._world_size * out.tensor.numel()} elements, got {inp.tensor.numel()}")
                 _check_op(a.op, out, f"outputs[{i}]")
         comm = self._comm
-
-        def transfer():
-            for out, inp in pairs:
-                comm.reduce_scatter(inp.ptr, out.ptr, out.numel, out.dtype, a.op, a.factor, a.timeout_s)
-        return self._run(name, list(outputs), [out for out, _ in pairs], transfer)
+        calls = [lambda done, out=out, inp=inp: comm.reduce_scatter(inp.ptr, out.ptr, out.numel, out.dtype, a.op,
+                                                                    a.factor, a.timeout_s, done)
+                 for out, inp in pairs]
+        return self._run(name, list(outputs), [out for out, _ in pairs], calls, opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -643,9 +704,12 @@ class ProcessGroupShm(dist.ProcessGroup):
                 dst_parts = list(out.host.reshape(-1).split([r * row for r in out_rows]))
         comm = self._comm
         if uniform:
-            return self._run(name, [output], [out], lambda: comm.alltoall(
-                inp.ptr, out.ptr, inp.numel // n, inp.dtype, a.timeout_s))
-        return self._run(name, [output], [out], lambda: self._alltoall_padded(dst_parts, src_parts, a))
+            return self._run(name, [output], [out], [lambda done: comm.alltoall(
+                inp.ptr, out.ptr, inp.numel // n, inp.dtype, a.timeout_s, done)], opts)
+        # Uneven splits: Python decides between the size exchange and the data exchange,
+        # so this one runs inline (its work is complete when returned).
+        return self._run(name, [output], [out], [lambda _: self._alltoall_padded(dst_parts, src_parts, a)],
+                         can_async=False)
 
     alltoall_base = all_to_all_single
 
@@ -697,7 +761,7 @@ class ProcessGroupShm(dist.ProcessGroup):
             first = staging.stage(ins[0], "input_tensors[0]")
             self._check_list(ins, "input_tensors", first, write=False)
             self._check_list(outs, "output_tensors", first, write=True)
-        return self._run(name, outs, [], lambda: self._alltoall_padded(outs, ins, a))
+        return self._run(name, outs, [], [lambda _: self._alltoall_padded(outs, ins, a)], can_async=False)
 
     # ---- gather / scatter ---------------------------------------------------------------
 
@@ -718,13 +782,10 @@ class ProcessGroupShm(dist.ProcessGroup):
             inp = staging.stage(_single(input_tensors, "input_tensors"), "input_tensors[0]")
             outs = self._root_list(output_tensors, "output_tensors", a.root, inp, write=True)
         comm, count = self._comm, inp.tensor.numel()
-
-        def transfer():
-            dst = staging.scratch(self._world_size * count, inp.torch_dtype) if outs else None
-            comm.gather(inp.ptr, dst.ptr if outs else 0, inp.numel, inp.dtype, a.root, a.timeout_s)
-            if outs:
-                staging.unpack(dst, outs, count)
-        return self._run(name, outs, [], transfer)
+        dst = staging.scratch(self._world_size * count, inp.torch_dtype) if outs else None
+        return self._run(name, outs, [], [lambda done: comm.gather(
+            inp.ptr, dst.ptr if outs else 0, inp.numel, inp.dtype, a.root, a.timeout_s, done)],
+            opts, after=(lambda: staging.unpack(dst, outs, count)) if outs else None)
 
     def _root_list(self, lists, arg: str, root: int, like: staging.HostBuffer, write: bool) -> list:
         """The root's list of ``world_size`` tensors shaped like ``like``; [] on other ranks."""
@@ -759,11 +820,9 @@ class ProcessGroupShm(dist.ProcessGroup):
                                 read=False, write=True)
             ins = self._root_list(input_tensors, "input_tensors", a.root, out, write=False)
         comm = self._comm
-
-        def transfer():
-            src = staging.pack(ins, out.tensor.numel()) if ins else None
-            comm.scatter(src.ptr if ins else 0, out.ptr, out.numel, out.dtype, a.root, a.timeout_s)
-        return self._run(name, [out.tensor], [out], transfer)
+        src = staging.pack(ins, out.tensor.numel()) if ins else None
+        return self._run(name, [out.tensor], [out], [lambda done: comm.scatter(
+            src.ptr if ins else 0, out.ptr, out.numel, out.dtype, a.root, a.timeout_s, done)], opts)
 
     # ---- barrier, point-to-point --------------------------------------------------------
 
@@ -773,7 +832,7 @@ class ProcessGroupShm(dist.ProcessGroup):
         with self._validating(name):
             a = self._args(opts, timeout=timeout)
         comm = self._comm
-        return self._run(name, [], [], lambda: comm.barrier(a.timeout_s))
+        return self._run(name, [], [], [lambda done: comm.barrier(a.timeout_s, done)], opts)
 
     def _no_p2p(self, name: str):
         raise NotImplementedError(f"flagos_shm does not implement point-to-point {name}; "

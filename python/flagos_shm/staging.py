@@ -90,10 +90,10 @@ class HostBuffer:
         torch_dtype: the caller tensor's dtype (complex stays complex), for validation.
     """
 
-    __slots__ = ("tensor", "host", "ptr", "numel", "dtype", "torch_dtype", "_write_back", "_pinned", "_event")
+    __slots__ = ("tensor", "host", "ptr", "numel", "dtype", "torch_dtype", "_write_back", "_pinned", "_event", "_stream")
 
     def __init__(self, tensor, host: torch.Tensor, dtype: str, write_back: bool,
-                 pinned: Optional[torch.Tensor] = None):
+                 pinned: Optional[torch.Tensor] = None, stream: Optional[torch.Stream] = None):
         self.tensor = tensor
         self.host = host
         self.ptr = host.data_ptr()
@@ -103,6 +103,7 @@ class HostBuffer:
         self._write_back = write_back
         self._pinned = pinned  # the pool's byte buffer behind ``host`` (device tensors only)
         self._event = None  # recorded after the host-to-device copy of ``finish``
+        self._stream = stream  # the device stream current at staging (device tensors only)
 
     def __del__(self):
         # Return the pinned buffer to the pool once nothing refers to this buffer any more
@@ -132,17 +133,20 @@ class HostBuffer:
     def finish(self) -> None:
         """Write the result back into the caller's tensor if it went through a copy.
 
-        For a device tensor this enqueues a non-blocking host-to-device copy on the tensor's
-        current stream (later work on that stream sees the result) and records an event
-        after it, which the pool waits for before reusing the pinned buffer.
+        For a device tensor this enqueues a non-blocking host-to-device copy on the stream
+        that was current when the tensor was staged (later work on that stream sees the
+        result, also when this runs on the progress thread of an asynchronous collective)
+        and records an event after it, which the pool waits for before reusing the pinned
+        buffer.
         """
         if self._write_back:
             with torch.no_grad():
                 if self._pinned is None:
                     self.tensor.copy_(self.host)
                 else:
-                    self.tensor.copy_(self.host, non_blocking=True)
-                    self._event = _current_stream(self.tensor.device).record_event()
+                    with self._stream:
+                        self.tensor.copy_(self.host, non_blocking=True)
+                        self._event = self._stream.record_event()
             self._write_back = False
 
 
@@ -240,13 +244,14 @@ def _stage_device(tensor: torch.Tensor, dtype: str, read: bool, write: bool) -> 
     nbytes = tensor.numel() * tensor.element_size()
     pinned = pinned_pool().acquire(nbytes)
     host = pinned[:nbytes].view(tensor.dtype).view(tensor.shape)
+    stream = _current_stream(tensor.device)
     if read and nbytes:
         with torch.no_grad():
             # Enqueued on the tensor's current stream, after the work that produced it;
             # a non-contiguous source is gathered by the copy itself.
             host.copy_(tensor.resolve_conj().resolve_neg(), non_blocking=True)
-        _current_stream(tensor.device).synchronize()  # this stream only, not the device
-    return HostBuffer(tensor, host, dtype, write_back=write, pinned=pinned)
+        stream.synchronize()  # this stream only, not the device
+    return HostBuffer(tensor, host, dtype, write_back=write, pinned=pinned, stream=stream)
 
 
 class PinnedPool:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -12,53 +13,113 @@ __all__ = ["ShmWork"]
 
 
 class ShmWork(dist.Work):
-    """Handle of one collective, completed when it is returned.
+    """Handle of one collective.
 
-    Collectives currently run synchronously inside the call, so the work is already
-    finished; a failure of the transfer is stored here and re-raised by :meth:`wait`
-    (and carried by :meth:`get_future`), the way ``dist.*`` expects from asynchronous
-    backends.
+    A synchronous call (``async_op=False``) returns a work that is already complete. An
+    asynchronous one (``async_op=True``, and every collective DDP issues) returns at once
+    while the collective runs on the group's progress thread; the work completes when the
+    results are in the caller's tensors (device tensors: when their host-to-device copy
+    has been enqueued on the stream that was current at the call). A failure of the
+    transfer is stored here and re-raised by :meth:`wait` and carried by the future.
 
     Args:
         outputs: the caller's output tensors (the future's value).
         error: the exception the collective failed with, or ``None``.
+        pending: ``True`` for a work completed later by :meth:`_complete`.
+        abort: called (no arguments) when :meth:`wait` gives up (timeout or Ctrl-C), to
+            abort the group so that the running collective stops on every rank.
     """
 
-    def __init__(self, outputs: list[torch.Tensor], error: Optional[BaseException] = None):
+    def __init__(self, outputs: list[torch.Tensor], error: Optional[BaseException] = None, *,
+                 pending: bool = False, abort: Optional[Callable[[], None]] = None):
         super().__init__()
         self._outputs = outputs
         self._error = error
+        self._abort = abort
+        self._lock = threading.Lock()
+        self._done = threading.Event()
         self._future: Optional[torch.futures.Future] = None  # made on demand (DDP asks for it)
+        if not pending:
+            self._done.set()
+
+    def _complete(self, error: Optional[BaseException] = None) -> None:
+        """Mark the work finished (with ``error`` if it failed) and complete its future."""
+        with self._lock:
+            if self._done.is_set():
+                return
+            self._error = error
+            self._done.set()
+            future = self._future
+        if future is not None:
+            self._settle(future)
+
+    def _settle(self, future: torch.futures.Future) -> None:
+        if self._error is None:
+            future.set_result(self._outputs)
+        else:
+            future.set_exception(self._error)
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        """Return ``True``; re-raise the collective's error if it failed. ``timeout`` is unused."""
+        """Block until the collective has finished; return ``True``.
+
+        Args:
+            timeout: give up after this long (``timedelta``); ``None`` waits for the
+                collective, which itself ends within the group's timeout.
+
+        Raises:
+            the collective's error (``RuntimeError``, ``ValueError``, ...) if it failed;
+            RuntimeError: ``timeout`` passed first (the group is then aborted, since its
+                ranks no longer agree on what has completed);
+            KeyboardInterrupt: Ctrl-C while waiting (the group is aborted as well).
+        """
+        if not self._done.is_set():
+            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+            if seconds is not None and seconds <= 0:
+                seconds = None  # c10d's "unset" timeout
+            try:
+                finished = self._done.wait(seconds)
+            except BaseException:
+                self._give_up()
+                raise
+            if not finished:
+                self._give_up()
+                raise RuntimeError(f"flagos_shm: the collective did not complete within {seconds:.3f} s of "
+                                   "Work.wait(); the process group was aborted")
         if self._error is not None:
             raise self._error
         return True
 
+    def _give_up(self) -> None:
+        if self._abort is not None:
+            self._abort()
+
     def get_future(self) -> torch.futures.Future:
-        """A completed future whose value is the list of output tensors (or which carries the error)."""
-        if self._future is None:
-            self._future = torch.futures.Future()
-            if self._error is None:
-                self._future.set_result(self._outputs)
+        """A future completed with the list of output tensors (or the error) when the work finishes."""
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                settle = self._done.is_set()
             else:
-                self._future.set_exception(self._error)
-        return self._future
+                settle = False
+            future = self._future
+        if settle:
+            self._settle(future)
+        return future
 
     def is_completed(self) -> bool:
-        return True
+        return self._done.is_set()
 
     def is_success(self) -> bool:
-        return self._error is None
+        return self._done.is_set() and self._error is None
 
     def exception(self) -> Optional[BaseException]:
         return self._error
 
     def result(self) -> list[torch.Tensor]:
-        """The list of output tensors; raises the collective's error if it failed."""
+        """The list of output tensors; waits, and raises the collective's error if it failed."""
         self.wait()
         return self._outputs
 
     def synchronize(self) -> None:
-        """Nothing to do: host memory is written before the work is returned."""
+        """Block until the collective has finished (host memory holds the results)."""
+        self._done.wait()

@@ -1,0 +1,209 @@
+//! Asynchronous progress: one background thread per communicator that runs queued
+//! collectives in issue order.
+//!
+//! A [`Progress`] owns a group's [`Communicator`]. Callers either
+//!
+//! * run a collective **inline** on their own thread ([`Progress::run`]): the call first
+//!   waits until every collective queued before it has finished, so the group's sequence
+//!   stays in issue order; this is the latency path of synchronous calls; or
+//! * **submit** it ([`Progress::submit`]): it is appended to a FIFO queue and the call
+//!   returns at once; the progress thread runs queued collectives one after another and
+//!   hands each result to the job's completion callback. This is the path of
+//!   `async_op=True` and of DDP's bucket allreduces.
+//!
+//! The thread is started on the first submission (groups that never go asynchronous cost
+//! no thread) and sleeps on a condition variable while the queue is empty: an idle group
+//! uses no CPU. Every collective, inline or queued, honours the communicator's timeout and
+//! abort flag, so a queued job cannot wait forever; [`Progress::close`] lets the queue
+//! drain, joins the thread and drops the communicator (unmapping the segment).
+//!
+//! Locking: `state` guards the queue and the "a collective is running" flag; `comm` is
+//! held only while a collective runs. Completion callbacks run with neither lock held, so
+//! a callback may submit further work or take other locks (e.g. Python's GIL).
+
+use crate::algorithms::Communicator;
+use crate::error::{Error, Result};
+use std::cell::Cell;
+use std::collections::VecDeque;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+
+/// A collective to run on the communicator.
+pub type Task = Box<dyn FnOnce(&mut Communicator) -> Result<()> + Send>;
+/// Receives a submitted task's result, on the progress thread.
+pub type Done = Box<dyn FnOnce(Result<()>) + Send>;
+
+thread_local! {
+    static ON_PROGRESS_THREAD: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Whether the calling thread is a progress thread (e.g. to skip work that only makes
+/// sense on the thread that issued a call, such as polling for Ctrl-C).
+pub fn on_progress_thread() -> bool {
+    ON_PROGRESS_THREAD.with(Cell::get)
+}
+
+struct State {
+    queue: VecDeque<(Task, Done)>,
+    /// A collective (inline or queued) is running or has been claimed.
+    busy: bool,
+    /// `close` was called: no new submissions; the thread exits once the queue is empty.
+    closing: bool,
+}
+
+struct Shared {
+    comm: Mutex<Option<Communicator>>,
+    state: Mutex<State>,
+    /// Signalled when a job is queued, when `busy` clears, and on close.
+    changed: Condvar,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn closed() -> Error {
+    Error::Aborted("the communicator is closed".into())
+}
+
+impl Shared {
+    /// Runs `f` on the communicator (error if closed). Called with `busy` claimed.
+    fn with_comm<R>(&self, f: impl FnOnce(&mut Communicator) -> Result<R>) -> Result<R> {
+        let mut guard = lock(&self.comm);
+        let comm = guard.as_mut().ok_or_else(closed)?;
+        f(comm)
+    }
+
+    fn release(&self) {
+        lock(&self.state).busy = false;
+        self.changed.notify_all();
+    }
+
+    fn thread_main(&self) {
+        ON_PROGRESS_THREAD.with(|c| c.set(true));
+        loop {
+            let (task, done) = {
+                let mut st = lock(&self.state);
+                loop {
+                    if !st.busy {
+                        if let Some(job) = st.queue.pop_front() {
+                            st.busy = true;
+                            break job;
+                        }
+                        if st.closing {
+                            return;
+                        }
+                    }
+                    st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            let result = self.with_comm(task);
+            self.release();
+            done(result);
+        }
+    }
+}
+
+/// A communicator plus its (lazily started) progress thread. See the module docs.
+pub struct Progress {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Progress {
+    pub fn new(comm: Communicator) -> Progress {
+        Progress {
+            shared: Arc::new(Shared {
+                comm: Mutex::new(Some(comm)),
+                state: Mutex::new(State { queue: VecDeque::new(), busy: false, closing: false }),
+                changed: Condvar::new(),
+            }),
+            thread: Mutex::new(None),
+        }
+    }
+
+    /// Runs `f` on the calling thread once every previously submitted job has finished.
+    ///
+    /// Errors: `Aborted` if the communicator is closed; otherwise whatever `f` returns.
+    pub fn run<R>(&self, f: impl FnOnce(&mut Communicator) -> Result<R>) -> Result<R> {
+        {
+            let mut st = lock(&self.shared.state);
+            while st.busy || !st.queue.is_empty() {
+                st = self.shared.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
+            st.busy = true;
+        }
+        let result = self.shared.with_comm(f);
+        self.shared.release();
+        result
+    }
+
+    /// Queues `task`; `done` later receives its result on the progress thread. If the
+    /// communicator is closing, `done` receives `Aborted` at once, on the calling thread.
+    pub fn submit(&self, task: Task, done: Done) {
+        {
+            let mut st = lock(&self.shared.state);
+            if !st.closing {
+                st.queue.push_back((task, done));
+                drop(st);
+                self.ensure_thread();
+                self.shared.changed.notify_all();
+                return;
+            }
+        }
+        done(Err(closed()));
+    }
+
+    fn ensure_thread(&self) {
+        let mut thread = lock(&self.thread);
+        if thread.is_none() {
+            let shared = Arc::clone(&self.shared);
+            let handle = std::thread::Builder::new()
+                .name("flagos_shm-progress".into())
+                .spawn(move || shared.thread_main())
+                .expect("spawning the flagos_shm progress thread");
+            *thread = Some(handle);
+        }
+    }
+
+    /// Number of submitted jobs that have not started yet.
+    pub fn queued(&self) -> usize {
+        lock(&self.shared.state).queue.len()
+    }
+
+    /// Whether nothing is queued or running.
+    pub fn idle(&self) -> bool {
+        let st = lock(&self.shared.state);
+        st.queue.is_empty() && !st.busy
+    }
+
+    /// Whether `close` has dropped the communicator.
+    pub fn is_closed(&self) -> bool {
+        lock(&self.shared.comm).is_none()
+    }
+
+    /// Stops accepting work, lets queued jobs run (they fail fast if the group was
+    /// aborted), joins the thread and drops the communicator. Idempotent.
+    pub fn close(&self) {
+        lock(&self.shared.state).closing = true;
+        self.shared.changed.notify_all();
+        let handle = lock(&self.thread).take();
+        if let Some(h) = handle {
+            if h.thread().id() == std::thread::current().id() {
+                // Closed from a completion callback: the thread exits by itself once the
+                // queue is empty; joining itself would deadlock.
+                return;
+            }
+            let _ = h.join();
+        }
+        // Inline callers still running hold `busy`; wait for them, then drop the comm.
+        let _ = self.run(|_| Ok(()));
+        lock(&self.shared.comm).take();
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.close();
+    }
+}

@@ -1,0 +1,254 @@
+"""Asynchronous collectives: ``async_op=True`` runs on the group's progress thread.
+
+Checked against values: a call returns before a late peer has arrived and completes with
+the right result; queued and inline calls keep issue order; errors and timeouts reach
+``wait()`` and the future; an idle progress thread uses no CPU; DDP overlaps its bucket
+allreduces with the backward pass on the (emulated) flagos device.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_flagos import EMU_ENV, emulator_built  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(autouse=True)
+def _only_flagos_shm(backend):
+    if backend != "flagos_shm":
+        pytest.skip("tests flagos_shm's progress thread")
+
+
+# ---- rank functions -------------------------------------------------------------------------
+
+def rank_returns_early(delay_s: float) -> dict:
+    """Rank 0 issues an async allreduce while rank 1 is still asleep."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dist.barrier()
+    t = torch.full((1 << 16,), float(rank + 1))
+    if rank != 0:
+        time.sleep(delay_s)
+    t0 = time.perf_counter()
+    work = dist.all_reduce(t, async_op=True)
+    issue_s = time.perf_counter() - t0
+    completed_at_issue = work.is_completed()
+    fut = work.get_future()
+    work.wait()
+    value = fut.wait()[0]
+    expected = float(sum(range(1, n + 1)))
+    return {"issue_s": issue_s, "completed_at_issue": completed_at_issue, "done": work.is_completed(),
+            "ok": bool(torch.all(t == expected)) and value is t or torch.equal(value, t)}
+
+
+def rank_issue_order() -> list:
+    """Async calls of several kinds, an inline call in the middle, waited in reverse order."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    results = []
+    works = []
+    a = [torch.arange(7, dtype=torch.float64) * (rank + 1) + i for i in range(5)]
+    works += [dist.all_reduce(x, async_op=True) for x in a]
+    b = torch.full((5,), float(rank)) if rank == 1 else torch.zeros(5)
+    works.append(dist.broadcast(b, src=1, async_op=True))
+    inline = torch.full((3,), 2.0 ** rank)
+    dist.all_reduce(inline, op=dist.ReduceOp.MAX)  # synchronous: after everything queued before it
+    g_in = torch.arange(3, dtype=torch.int32) + 10 * rank
+    g_out = torch.empty(3 * n, dtype=torch.int32)
+    works.append(dist.all_gather_into_tensor(g_out, g_in, async_op=True))
+    rs_in = torch.arange(2 * n, dtype=torch.float32) * (rank + 1)
+    rs_out = torch.empty(2)
+    works.append(dist.reduce_scatter_tensor(rs_out, rs_in, async_op=True))
+    gl = [torch.empty(4, dtype=torch.int64) for _ in range(n)]
+    works.append(dist.all_gather(gl, torch.full((4,), rank, dtype=torch.int64), async_op=True))
+    for w in reversed(works):
+        w.wait()
+    results += [x.tolist() for x in a]
+    results += [b.tolist(), inline.tolist(), g_out.tolist(), rs_out.tolist(), [x.tolist() for x in gl]]
+    return results
+
+
+def rank_async_mismatch() -> dict:
+    """Rank 0 and rank 1 disagree on the element count of an async allreduce."""
+    rank = dist.get_rank()
+    t = torch.ones(4 + rank)
+    work = dist.all_reduce(t, async_op=True)
+    fut = work.get_future()
+    out = {}
+    try:
+        work.wait()
+        out["wait"] = "no error"
+    except ValueError as exc:
+        out["wait"] = f"ValueError: {exc}"
+    try:
+        fut.wait()
+        out["future"] = "no error"
+    except Exception as exc:  # noqa: BLE001  the type torch re-raises with is reported
+        out["future"] = f"{type(exc).__name__}: {exc}"
+    out["untouched"] = bool(torch.all(t == 1))
+    after = torch.full((3,), float(rank))
+    dist.all_reduce(after, async_op=True).wait()  # the group is still usable
+    out["after"] = after.tolist()
+    return out
+
+
+def rank_wait_timeout() -> dict:
+    """Work.wait(timeout) on a collective a peer joins too late: RuntimeError, group aborted."""
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    out = {}
+    try:
+        t = torch.ones(8)
+        if rank == 0:
+            work = dist.all_reduce(t, group=group, async_op=True)
+            t0 = time.perf_counter()
+            try:
+                work.wait(timeout=timedelta(seconds=0.3))
+                out["wait"] = "no error"
+            except RuntimeError as exc:
+                out["wait"] = f"RuntimeError: {exc}"
+            out["waited_s"] = time.perf_counter() - t0
+        dist.barrier()  # default group: rank 1 issues its call only now, on an aborted group
+        try:
+            dist.all_reduce(t, group=group)
+            out["later"] = "no error"
+        except RuntimeError as exc:
+            out["later"] = f"RuntimeError: {exc}"
+    finally:
+        dist.destroy_process_group(group)
+    return out
+
+
+def _progress_threads() -> dict:
+    """tid -> CPU seconds (user + system) of this process's flagos_shm progress threads."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+        except FileNotFoundError:
+            continue
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        if name.startswith("flagos_shm-prog"):
+            fields = stat[stat.rindex(")") + 2:].split()
+            out[tid] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def rank_idle_thread(idle_s: float) -> dict:
+    group = dist.new_group(list(range(dist.get_world_size())))
+    try:
+        for _ in range(20):
+            dist.all_reduce(torch.ones(1000), group=group, async_op=True).wait()
+        before = _progress_threads()
+        time.sleep(idle_s)
+        after = _progress_threads()
+    finally:
+        dist.destroy_process_group(group)
+    return {"threads": len(before), "cpu_s": sum(after.get(t, 0.0) - c for t, c in before.items()),
+            "threads_after_destroy": len(_progress_threads())}
+
+
+def rank_ddp_overlap(steps: int) -> dict:
+    """DDP on flagos tensors with a comm hook that timestamps each bucket's allreduce."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    dev = torch.device("flagos", dist.get_rank())
+    layers = [torch.nn.Linear(512, 512) for _ in range(6)]
+    model = DDP(torch.nn.Sequential(*layers).to(dev), bucket_cap_mb=1)
+    events: list = []
+
+    def hook(state, bucket):
+        events.append(("issue", bucket.index(), time.perf_counter()))
+        fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+
+        def done(f):
+            events.append(("done", bucket.index(), time.perf_counter()))
+            return f.value()[0]
+        return fut.then(done)
+
+    model.register_comm_hook(None, hook)
+    x = torch.randn(256, 512).to(dev)
+    overlapped = 0
+    for _ in range(steps):
+        events.clear()
+        model(x).square().mean().backward()
+        issued = {i: t for kind, i, t in events if kind == "issue"}
+        done = {i: t for kind, i, t in events if kind == "done"}
+        last_issue = max(issued.values())
+        # A bucket whose allreduce finished after a later bucket was issued ran while the
+        # backward pass went on computing that later bucket's gradients.
+        overlapped += sum(1 for i, t in done.items() if t > min((u for j, u in issued.items() if u > issued[i]),
+                                                                default=float("inf")))
+        buckets = len(issued)
+        assert last_issue <= max(done.values())
+    grads_equal = []
+    for p in model.parameters():
+        g = p.grad.cpu()
+        other = g.clone()
+        dist.broadcast(other, src=0)
+        grads_equal.append(torch.equal(g, other))
+    return {"buckets": buckets, "overlapped": overlapped, "grads_equal": all(grads_equal)}
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+def test_async_call_returns_before_a_late_peer_arrives(worlds):
+    delay = 0.5
+    r0, r1 = worlds(2).run(rank_returns_early, delay)
+    assert r0["issue_s"] < delay / 2, r0
+    assert not r0["completed_at_issue"], r0
+    assert r0["done"] and r0["ok"] and r1["ok"], (r0, r1)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_async_and_inline_calls_keep_issue_order(worlds, world_size):
+    n = world_size
+    got = worlds(n).run(rank_issue_order)
+    for rank, res in enumerate(got):
+        for i in range(5):
+            assert res[i] == [float(sum((q + 1) * k + i for q in range(n))) for k in range(7)], (rank, i)
+        assert res[5] == [1.0] * 5
+        assert res[6] == [2.0 ** (n - 1)] * 3
+        assert res[7] == [10 * q + k for q in range(n) for k in range(3)]
+        full = [sum((q + 1) * k for q in range(n)) for k in range(2 * n)]
+        assert res[8] == [float(v) for v in full[2 * rank:2 * rank + 2]]
+        assert res[9] == [[q] * 4 for q in range(n)]
+
+
+def test_async_mismatch_reaches_wait_and_future(worlds):
+    for rank, res in enumerate(worlds(2).run(rank_async_mismatch)):
+        assert res["wait"].startswith("ValueError") and "4" in res["wait"] and "5" in res["wait"], res
+        assert res["future"] != "no error", res
+        assert res["untouched"], res
+        assert res["after"] == [1.0] * 3, res
+
+
+def test_wait_timeout_aborts_the_group(worlds):
+    r0, r1 = worlds(2).run(rank_wait_timeout)
+    assert r0["wait"].startswith("RuntimeError") and "did not complete within 0.300 s" in r0["wait"], r0
+    assert 0.25 < r0["waited_s"] < 5, r0
+    for res in (r0, r1):
+        assert res["later"].startswith("RuntimeError") and "abort" in res["later"], res
+
+
+def test_idle_progress_thread_uses_no_cpu(worlds):
+    for res in worlds(2).run(rank_idle_thread, 1.0):
+        assert res["threads"] >= 1, res  # this group's (and the default group's, if it went async)
+        assert res["cpu_s"] < 0.05, res
+        assert res["threads_after_destroy"] == res["threads"] - 1, res  # destroy joins the thread
+
+
+def test_ddp_overlaps_allreduce_with_backward_on_flagos(worlds, emulator_built):
+    for res in worlds(2, **EMU_ENV).run(rank_ddp_overlap, 4):
+        assert res["buckets"] >= 3, res
+        assert res["grads_equal"], res
+        assert res["overlapped"] >= 1, res
