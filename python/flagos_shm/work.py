@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from datetime import timedelta
 from typing import Callable, Optional
@@ -10,6 +11,25 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["ShmWork"]
+
+
+class _Completed:
+    """Stands for a set ``threading.Event`` (shared by every completed work)."""
+
+    @staticmethod
+    def is_set() -> bool:
+        return True
+
+    @staticmethod
+    def wait(timeout=None) -> bool:
+        return True
+
+    def set(self) -> None:
+        pass
+
+
+_COMPLETED = _Completed()
+_NO_LOCK = contextlib.nullcontext()
 
 
 class ShmWork(dist.Work):
@@ -36,11 +56,11 @@ class ShmWork(dist.Work):
         self._outputs = outputs
         self._error = error
         self._abort = abort
-        self._lock = threading.Lock()
-        self._done = threading.Event()
         self._future: Optional[torch.futures.Future] = None  # made on demand (DDP asks for it)
-        if not pending:
-            self._done.set()
+        # Only pending works need synchronisation (a completed one is the common,
+        # latency-critical case: no Event or Lock is built for it).
+        self._done = threading.Event() if pending else _COMPLETED
+        self._lock = threading.Lock() if pending else _NO_LOCK
 
     def _complete(self, error: Optional[BaseException] = None) -> None:
         """Mark the work finished (with ``error`` if it failed) and complete its future."""
