@@ -121,22 +121,22 @@ impl PyCommunicator {
             .map_err(|e| to_py(e, Some(&self.pending)))
     }
 
-    /// Runs collective `f` inline (`done` is None: returns when it has finished, raising
-    /// its error) or queues it on the progress thread (`done` is a callable: returns at
-    /// once; `done(None)` or `done(exception)` is called later on the progress thread,
-    /// with the GIL held).
+    /// Runs collective `f` inline (`done` is None: returns 0 when it has finished, raising
+    /// its error) or queues it on the progress thread (`done` is a callable: returns its
+    /// ticket at once, for `wait_ticket`; `done(None)` or `done(exception)` is called
+    /// later, with the GIL held, on the progress thread or on a thread in `wait_ticket`).
     fn dispatch(
         &self,
         py: Python<'_>,
         timeout_s: Option<f64>,
         done: Option<Py<PyAny>>,
         f: impl FnOnce(&mut Communicator) -> Result<(), Error> + Send + 'static,
-    ) -> PyResult<()> {
+    ) -> PyResult<u64> {
         let Some(callback) = done else {
-            return self.run(py, timeout_s, f);
+            return self.run(py, timeout_s, f).map(|()| 0);
         };
         let t = timeout_s.map(|s| duration("timeout_s", s)).transpose()?;
-        self.inner.submit(
+        Ok(self.inner.submit(
             Box::new(move |comm| with_timeout(comm, t, f)),
             Box::new(move |result| {
                 Python::attach(|py| {
@@ -150,8 +150,7 @@ impl PyCommunicator {
                     drop(callback);
                 })
             }),
-        );
-        Ok(())
+        ))
     }
 }
 
@@ -227,7 +226,7 @@ impl PyCommunicator {
 
     /// Blocks until every rank of the group called barrier().
     #[pyo3(signature = (timeout_s=None, done=None))]
-    fn barrier(&self, py: Python<'_>, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
+    fn barrier(&self, py: Python<'_>, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         self.dispatch(py, timeout_s, done, |c| c.barrier())
     }
 
@@ -243,7 +242,7 @@ impl PyCommunicator {
 
     /// In-place allreduce of `numel` elements at address `ptr`.
     #[pyo3(signature = (ptr, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
-    fn allreduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
+    fn allreduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
         need_ptr("ptr", ptr, numel, dt.size())?;
         // SAFETY: the Python layer passes the address of a live contiguous host tensor of
@@ -253,7 +252,7 @@ impl PyCommunicator {
 
     /// In-place broadcast of `numel` elements at `ptr` from group rank `root`.
     #[pyo3(signature = (ptr, numel, dtype, root, timeout_s=None, done=None))]
-    fn broadcast(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
+    fn broadcast(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
         need_ptr("ptr", ptr, numel, dt.size())?;
         // SAFETY: binding contract (module docs).
@@ -264,7 +263,7 @@ impl PyCommunicator {
     /// buffer is written).
     #[pyo3(signature = (ptr, numel, dtype, op, root, factor=1.0, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, root: usize, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
+    fn reduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, root: usize, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
         need_ptr("ptr", ptr, numel, dt.size())?;
         // SAFETY: binding contract (module docs).
@@ -274,7 +273,7 @@ impl PyCommunicator {
     /// Allgather: `in_ptr` holds `numel` elements, `out_ptr` receives `world_size * numel`
     /// (rank r's at `[r * numel, (r + 1) * numel)`).
     #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, timeout_s=None, done=None))]
-    fn allgather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
+    fn allgather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
         need_ptr("in_ptr", in_ptr, numel, dt.size())?;
         need_ptr("out_ptr", out_ptr, numel, dt.size())?;
@@ -286,7 +285,7 @@ impl PyCommunicator {
     /// the `numel`-element reduction of piece `rank`.
     #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
+    fn reduce_scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
         need_ptr("in_ptr", in_ptr, numel, dt.size())?;
         need_ptr("out_ptr", out_ptr, numel, dt.size())?;
@@ -298,7 +297,7 @@ impl PyCommunicator {
     /// `world_size * numel` (non-roots pass 0).
     #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, root, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn gather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
+    fn gather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
         need_ptr("in_ptr", in_ptr, numel, dt.size())?;
         if root == self.rank {
@@ -312,7 +311,7 @@ impl PyCommunicator {
     /// (non-roots pass 0); `out_ptr` receives this rank's `numel`-element piece.
     #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, root, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
+    fn scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
         if root == self.rank {
             need_ptr("in_ptr", in_ptr, numel, dt.size())?;
@@ -325,12 +324,18 @@ impl PyCommunicator {
     /// All-to-all: `in_ptr` and `out_ptr` hold `world_size * numel` elements each (must
     /// not overlap); input piece q goes to rank q, rank q's piece lands in output piece q.
     #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, timeout_s=None, done=None))]
-    fn alltoall(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<()> {
+    fn alltoall(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
         need_ptr("in_ptr", in_ptr, numel, dt.size())?;
         need_ptr("out_ptr", out_ptr, numel, dt.size())?;
         // SAFETY: binding contract (module docs).
         self.dispatch(py, timeout_s, done, move |c| unsafe { c.alltoall(in_ptr as *const u8, out_ptr as *mut u8, numel, dt) })
+    }
+
+    /// Blocks (GIL released) until the call that returned `ticket` has completed and its
+    /// `done` callback has returned; runs still-queued calls up to it on this thread.
+    fn wait_ticket(&self, py: Python<'_>, ticket: u64) {
+        py.detach(|| self.inner.help_until(ticket));
     }
 
     /// Aborts the group: every rank's pending and later calls raise RuntimeError. Safe to

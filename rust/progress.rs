@@ -43,8 +43,18 @@ pub fn on_progress_thread() -> bool {
     ON_PROGRESS_THREAD.with(Cell::get)
 }
 
+struct Job {
+    ticket: u64,
+    task: Task,
+    done: Done,
+}
+
 struct State {
-    queue: VecDeque<(Task, Done)>,
+    queue: VecDeque<Job>,
+    /// Ticket of the next submission (tickets start at 1).
+    next_ticket: u64,
+    /// Highest ticket whose completion callback has returned.
+    finished: u64,
     /// A collective (inline or queued) is running or has been claimed.
     busy: bool,
     /// `close` was called: no new submissions; the thread exits once the queue is empty.
@@ -79,10 +89,21 @@ impl Shared {
         self.changed.notify_all();
     }
 
+    /// Runs a claimed job: the task, then (with no lock held) its callback.
+    fn execute(&self, job: Job) {
+        let result = self.with_comm(job.task);
+        self.release();
+        (job.done)(result);
+        let mut st = lock(&self.state);
+        st.finished = st.finished.max(job.ticket);
+        drop(st);
+        self.changed.notify_all();
+    }
+
     fn thread_main(&self) {
         ON_PROGRESS_THREAD.with(|c| c.set(true));
         loop {
-            let (task, done) = {
+            let job = {
                 let mut st = lock(&self.state);
                 loop {
                     if !st.busy {
@@ -97,9 +118,7 @@ impl Shared {
                     st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
                 }
             };
-            let result = self.with_comm(task);
-            self.release();
-            done(result);
+            self.execute(job);
         }
     }
 }
@@ -115,7 +134,7 @@ impl Progress {
         Progress {
             shared: Arc::new(Shared {
                 comm: Mutex::new(Some(comm)),
-                state: Mutex::new(State { queue: VecDeque::new(), busy: false, closing: false }),
+                state: Mutex::new(State { queue: VecDeque::new(), next_ticket: 1, finished: 0, busy: false, closing: false }),
                 changed: Condvar::new(),
             }),
             thread: Mutex::new(None),
@@ -138,20 +157,48 @@ impl Progress {
         result
     }
 
-    /// Queues `task`; `done` later receives its result on the progress thread. If the
-    /// communicator is closing, `done` receives `Aborted` at once, on the calling thread.
-    pub fn submit(&self, task: Task, done: Done) {
+    /// Queues `task` and returns its ticket; `done` later receives its result, on the
+    /// progress thread (or on a thread in [`Self::help_until`]). If the communicator is
+    /// closing, `done` receives `Aborted` at once, on the calling thread (ticket 0).
+    pub fn submit(&self, task: Task, done: Done) -> u64 {
         {
             let mut st = lock(&self.shared.state);
             if !st.closing {
-                st.queue.push_back((task, done));
+                let ticket = st.next_ticket;
+                st.next_ticket += 1;
+                st.queue.push_back(Job { ticket, task, done });
                 drop(st);
                 self.ensure_thread();
                 self.shared.changed.notify_all();
-                return;
+                return ticket;
             }
         }
         done(Err(closed()));
+        0
+    }
+
+    /// Returns once the job with `ticket` has completed (its callback returned).
+    ///
+    /// Queued jobs up to `ticket` that the progress thread has not claimed yet are run
+    /// here, on the calling thread, in issue order: a caller that waits right after
+    /// submitting (`async_op=True` then `wait()`) does not pay for a thread switch.
+    pub fn help_until(&self, ticket: u64) {
+        loop {
+            let job = {
+                let mut st = lock(&self.shared.state);
+                loop {
+                    if st.finished >= ticket {
+                        return;
+                    }
+                    if !st.busy && st.queue.front().is_some_and(|j| j.ticket <= ticket) {
+                        st.busy = true;
+                        break st.queue.pop_front().expect("front checked");
+                    }
+                    st = self.shared.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            self.shared.execute(job);
+        }
     }
 
     fn ensure_thread(&self) {

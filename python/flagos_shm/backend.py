@@ -364,7 +364,9 @@ class ProcessGroupShm(dist.ProcessGroup):
         and the write-back, then completes the work and its future. The callback holds the
         buffers (and so the caller's tensors and pinned staging memory) until then.
         """
-        work = ShmWork(outputs, pending=True, abort=self.abort)
+        tickets = [0]
+        comm = self._comm
+        work = ShmWork(outputs, pending=True, abort=self.abort, help=lambda: comm.wait_ticket(tickets[0]))
         # The core only holds raw addresses: everything the calls read or write (captured
         # by the ``calls`` closures: inputs, scratch and packed buffers) must stay alive
         # until the last call has finished.
@@ -400,7 +402,7 @@ class ProcessGroupShm(dist.ProcessGroup):
                 try:
                     if self._closed:
                         raise RuntimeError("the process group has been shut down")
-                    call(done)
+                    tickets[0] = max(tickets[0], call(done) or 0)
                 except Exception as exc:  # not queued: this and the later calls never report
                     done(exc, len(calls) - i)
                     break

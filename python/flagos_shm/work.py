@@ -48,14 +48,18 @@ class ShmWork(dist.Work):
         pending: ``True`` for a work completed later by :meth:`_complete`.
         abort: called (no arguments) when :meth:`wait` gives up (timeout or Ctrl-C), to
             abort the group so that the running collective stops on every rank.
+        help: called (no arguments, blocking) by :meth:`wait` without a timeout to finish
+            the work on the waiting thread if the progress thread has not started it yet.
     """
 
     def __init__(self, outputs: list[torch.Tensor], error: Optional[BaseException] = None, *,
-                 pending: bool = False, abort: Optional[Callable[[], None]] = None):
+                 pending: bool = False, abort: Optional[Callable[[], None]] = None,
+                 help: Optional[Callable[[], None]] = None):
         super().__init__()
         self._outputs = outputs
         self._error = error
         self._abort = abort
+        self._help = help
         self._future: Optional[torch.futures.Future] = None  # made on demand (DDP asks for it)
         # Only pending works need synchronisation (a completed one is the common,
         # latency-critical case: no Event or Lock is built for it).
@@ -97,6 +101,8 @@ class ShmWork(dist.Work):
             if seconds is not None and seconds <= 0:
                 seconds = None  # c10d's "unset" timeout
             try:
+                if seconds is None and self._help is not None:
+                    self._help()  # runs it here if still queued; bounded by the group's timeout
                 finished = self._done.wait(seconds)
             except BaseException:
                 self._give_up()
