@@ -27,6 +27,7 @@
 //!   rank r reduces (alltoall: copies) piece r from every slot. scatter: the root copies
 //!   the chunk of each piece in, rank r copies piece r out.
 
+use crate::cma;
 use crate::error::{Error, Result};
 use crate::reduce::{reduce_raw, DType, ReduceOp, Reduction};
 use crate::segment::{self, Segment, DESC_WORDS};
@@ -44,6 +45,16 @@ use std::time::{Duration, Instant};
 /// used at every size: it moves fewer bytes per rank (copy in, read 2 slots, write out)
 /// than the two-step one (copy in, reduce half, copy both halves out) and syncs once.
 pub const ONE_SHOT_MAX_BYTES: usize = 256 * 1024;
+
+/// Allreduce, allgather, broadcast and reduce-scatter messages of at least this many
+/// bytes (the allgather's output, the reduce-scatter's input) use single-copy transfers
+/// (`cma`) when the group supports them; smaller ones go through the slots, where one
+/// synchronisation and a copy cost less than the system calls.
+pub const CMA_MIN_BYTES: usize = 256 * 1024;
+
+/// Bytes per peer read at a time by the single-copy reductions: small enough that the
+/// chunk read from a peer is still in this core's cache when it is reduced.
+pub const CMA_CHUNK_BYTES: usize = 512 * 1024;
 
 /// Collective kinds, as exchanged in descriptors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -182,6 +193,13 @@ pub struct Communicator {
     /// Set after an error that desynchronised the ranks; every later call fails with it.
     broken: Option<String>,
     interrupt: Option<InterruptHook>,
+    /// Messages of at least this many bytes use single-copy collectives; `usize::MAX`
+    /// when some rank cannot read some peer's memory (probed at attach, agreed by all).
+    cma_min: usize,
+    /// Whether every probe worked (the group can use single-copy transfers at all).
+    cma_ok: bool,
+    /// Per-rank chunk buffers of the single-copy reductions (u64 for alignment).
+    scratch: Vec<u64>,
 }
 
 fn ms(d: Duration) -> String {
@@ -246,7 +264,80 @@ impl Communicator {
             pause = (pause * 2).min(Duration::from_millis(5));
         }
         seg.unlink()?;
-        Ok(Communicator { seg: Arc::new(seg), rank, n: world_size, step: 0, seq: 0, timeout, broken: None, interrupt: None })
+        let mut comm = Communicator {
+            seg: Arc::new(seg),
+            rank,
+            n: world_size,
+            step: 0,
+            seq: 0,
+            timeout,
+            broken: None,
+            interrupt: None,
+            cma_min: usize::MAX,
+            cma_ok: false,
+            scratch: Vec::new(),
+        };
+        comm.cma_min = comm.probe_cma()?;
+        comm.cma_ok = comm.cma_min != usize::MAX;
+        Ok(comm)
+    }
+
+    /// The message size in bytes from which single-copy transfers are used (see [`cma`]),
+    /// or `None` when the group cannot use them.
+    pub fn single_copy_min_bytes(&self) -> Option<usize> {
+        (self.cma_min != usize::MAX).then_some(self.cma_min)
+    }
+
+    /// Sets the single-copy threshold (`None`: never use single-copy). Has no effect on a
+    /// group that cannot use single-copy transfers. Every rank of the group must set the
+    /// same value before its next collective (ranks that choose different algorithms
+    /// would deadlock); meant for tests and measurements.
+    pub fn set_single_copy_min_bytes(&mut self, bytes: Option<usize>) {
+        self.cma_min = match bytes {
+            Some(b) if self.cma_ok => b,
+            _ => usize::MAX,
+        };
+    }
+
+    fn single_copy(&self, bytes: usize) -> bool {
+        bytes >= self.cma_min
+    }
+
+    /// Checks, with every rank, that each can read each peer's memory: every rank
+    /// publishes the address and value of a random probe word, reads every peer's word
+    /// with `process_vm_readv` and publishes whether all reads returned the right values
+    /// (which also proves the pid names the right process), together with its own
+    /// threshold (`FLAGOS_SHM_CMA_MIN_BYTES`, default [`CMA_MIN_BYTES`]). Two steps of the
+    /// group's sequence; every rank gets the same answer: the largest threshold, or
+    /// `usize::MAX` if any rank failed (or has `FLAGOS_SHM_CMA=0`).
+    fn probe_cma(&mut self) -> Result<usize> {
+        use std::hash::{BuildHasher, Hasher};
+        if self.n == 1 {
+            return Ok(usize::MAX);
+        }
+        let word = Box::new(std::collections::hash_map::RandomState::new().build_hasher().finish() | 1);
+        let seg = Arc::clone(&self.seg);
+        let me = seg.ctrl(self.rank);
+        me.addr.store(&*word as *const u64 as u64, Ordering::Relaxed);
+        me.probe.store(*word, Ordering::Relaxed);
+        self.sync(None)?;
+        let mut ok = cma::enabled_by_env();
+        for q in (0..self.n).filter(|&q| q != self.rank) {
+            if !ok {
+                break;
+            }
+            let c = self.seg.ctrl(q);
+            let (pid, addr, expect) = (c.pid.load(Ordering::Relaxed), c.addr.load(Ordering::Relaxed), c.probe.load(Ordering::Relaxed));
+            let mut got = 0u64;
+            // SAFETY: `got` is a local u64, valid for 8 bytes of writes.
+            ok = unsafe { cma::read(pid, addr, &mut got as *mut u64 as *mut u8, 8) }.is_ok() && got == expect;
+        }
+        let mine = if ok { cma::min_bytes_from_env(CMA_MIN_BYTES).max(1) } else { usize::MAX };
+        me.cma.store(mine as u64, Ordering::Relaxed);
+        self.sync(None)?;
+        let agreed = (0..self.n).map(|q| self.seg.ctrl(q).cma.load(Ordering::Relaxed)).max().unwrap_or(u64::MAX);
+        drop(word); // every peer has read it: they all passed the second step
+        Ok(usize::try_from(agreed).unwrap_or(usize::MAX))
     }
 
     pub fn rank(&self) -> usize {
@@ -434,6 +525,9 @@ impl Communicator {
         let red = self.reduction(dtype, op, factor)?;
         let d = self.begin(Kind::Allreduce, dtype, Some(&red), count, 0)?;
         let es = dtype.size();
+        if self.single_copy(count * es) {
+            return self.allreduce_single_copy(buf, count, &red, &d);
+        }
         let per = self.seg.slot_bytes() / es;
         let two_step = self.n > 2 && count * es > ONE_SHOT_MAX_BYTES;
         let mut srcs = vec![std::ptr::null::<u8>(); self.n];
@@ -478,6 +572,9 @@ impl Communicator {
         self.check_root(root)?;
         let d = self.begin(Kind::Broadcast, dtype, None, count, root)?;
         let es = dtype.size();
+        if self.single_copy(count * es) {
+            return self.broadcast_single_copy(buf, count * es, root, &d);
+        }
         let per = self.seg.slot_bytes() / es;
         for c in 0..Self::steps(count, per) {
             let off = c * per;
@@ -537,6 +634,9 @@ impl Communicator {
         let kind = if root.is_some() { Kind::Gather } else { Kind::Allgather };
         let d = self.begin(kind, dtype, None, count, root.unwrap_or(0))?;
         let es = dtype.size();
+        if root.is_none() && self.single_copy(self.n * count * es) {
+            return self.allgather_single_copy(input, output, count * es, &d);
+        }
         let per = self.seg.slot_bytes() / es;
         for c in 0..Self::steps(count, per) {
             let off = c * per;
@@ -611,6 +711,9 @@ impl Communicator {
         let kind = if red.is_some() { Kind::ReduceScatter } else { Kind::Alltoall };
         let d = self.begin(kind, dtype, red.as_ref(), count, 0)?;
         let es = dtype.size();
+        if let Some(red) = red.as_ref().filter(|_| self.single_copy(self.n * count * es)) {
+            return self.reduce_scatter_single_copy(input, output, count, red, &d);
+        }
         let per = self.seg.slot_bytes() / es / self.n;
         let mut srcs = vec![std::ptr::null::<u8>(); self.n];
         for c in 0..Self::steps(count, per) {
@@ -656,6 +759,141 @@ impl Communicator {
     /// See the contract above; `input` and `output` must not overlap.
     pub unsafe fn alltoall(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType) -> Result<()> {
         self.exchange(input, output, count, dtype, None)
+    }
+
+    // ----- single-copy collectives (process_vm_readv) ------------------------------
+    // Each publishes the address of its buffer with the descriptor step, then reads the
+    // peers' buffers straight from their processes; a last step keeps every buffer
+    // untouched until all peers have finished reading it.
+
+    /// Publishes `addr` for peers, runs the descriptor step and returns every rank's
+    /// (pid, address).
+    fn publish(&mut self, addr: *const u8, d: &Desc) -> Result<Vec<(u32, u64)>> {
+        self.seg.ctrl(self.rank).addr.store(addr as u64, Ordering::Relaxed);
+        self.sync(Some(d))?;
+        Ok((0..self.n)
+            .map(|q| {
+                let c = self.seg.ctrl(q);
+                (c.pid.load(Ordering::Relaxed), c.addr.load(Ordering::Relaxed))
+            })
+            .collect())
+    }
+
+    /// Turns a failure in the middle of a single-copy collective into an aborted group:
+    /// the peers are waiting at the next step and must not wait in vain.
+    fn fail_midway<T>(&mut self, what: Kind, r: Result<T>) -> Result<T> {
+        r.map_err(|e| {
+            sync::abort(&self.seg, self.rank);
+            let msg = format!("{} (rank {}): single-copy transfer failed: {e}", what.name(), self.rank);
+            self.broken = Some(msg.clone());
+            match e {
+                Error::PeerDied(_) => Error::PeerDied(msg),
+                _ => Error::Aborted(msg),
+            }
+        })
+    }
+
+    /// Per-rank chunk buffers of `bytes` each, 8-byte aligned.
+    fn chunk_buffers(&mut self, bytes: usize) -> Vec<*mut u8> {
+        let words = bytes.div_ceil(8);
+        if self.scratch.len() < words * self.n {
+            self.scratch = vec![0u64; words * self.n];
+        }
+        let base = self.scratch.as_mut_ptr();
+        // SAFETY: q * words + words <= scratch.len().
+        (0..self.n).map(|q| unsafe { base.add(q * words) } as *mut u8).collect()
+    }
+
+    /// Reduces element range `[a, b)` of every rank's buffer (`addrs[q]` in process q; our
+    /// own at `own`) in rank order into `dst`, `CMA_CHUNK_BYTES` at a time.
+    ///
+    /// # Safety
+    /// `own` readable and `dst` writable for `b - a` elements from their starts; `dst`
+    /// may equal `own` (the kernels read an element of every source before writing it
+    /// when the output is source 0 or 1; for other ranks `own` is copied first).
+    unsafe fn reduce_range_from_peers(&mut self, red: &Reduction, peers: &[(u32, u64)], own: *const u8, dst: *mut u8, a: usize, b: usize) -> Result<()> {
+        let es = red.dtype.size();
+        let chunk = (CMA_CHUNK_BYTES / es).max(1);
+        let bufs = self.chunk_buffers(chunk * es);
+        let in_place_ok = self.rank < 2 || own != dst as *const u8;
+        let mut srcs = vec![std::ptr::null::<u8>(); self.n];
+        let mut x = a;
+        while x < b {
+            let len = chunk.min(b - x);
+            for (q, s) in srcs.iter_mut().enumerate() {
+                let off = (x - a) * es;
+                if q == self.rank {
+                    if in_place_ok {
+                        *s = own.add(off);
+                    } else {
+                        copy_nonoverlapping(own.add(off), bufs[q], len * es);
+                        *s = bufs[q];
+                    }
+                } else {
+                    let (pid, addr) = peers[q];
+                    cma::read(pid, addr.wrapping_add((x * es) as u64), bufs[q], len * es)?;
+                    *s = bufs[q];
+                }
+            }
+            reduce_raw(red, dst.add((x - a) * es), &srcs, len);
+            x += len;
+        }
+        Ok(())
+    }
+
+    /// Single-copy allreduce (the reduce-scatter + allgather decomposition): rank r reduces
+    /// slice r of every rank's buffer into its own buffer, reading the peers' slices from
+    /// their processes; then every rank reads each peer's reduced slice. Each byte crosses
+    /// between processes once per phase, and nothing goes through the segment.
+    unsafe fn allreduce_single_copy(&mut self, buf: *mut u8, count: usize, red: &Reduction, d: &Desc) -> Result<()> {
+        let es = red.dtype.size();
+        let peers = self.publish(buf, d)?;
+        let (a, b) = slice_bounds(count, self.n, self.rank);
+        let own = buf.add(a * es);
+        let r = self.reduce_range_from_peers(red, &peers, own, own, a, b);
+        self.fail_midway(Kind::Allreduce, r)?;
+        self.sync(None)?;
+        let (n, me) = (self.n, self.rank);
+        for q in (0..n).filter(|&q| q != me) {
+            let (qa, qb) = slice_bounds(count, self.n, q);
+            let r = cma::read(peers[q].0, peers[q].1.wrapping_add((qa * es) as u64), buf.add(qa * es), (qb - qa) * es);
+            self.fail_midway(Kind::Allreduce, r)?;
+        }
+        self.sync(None)
+    }
+
+    /// Single-copy broadcast: every non-root reads the root's buffer.
+    unsafe fn broadcast_single_copy(&mut self, buf: *mut u8, bytes: usize, root: usize, d: &Desc) -> Result<()> {
+        let peers = self.publish(buf, d)?;
+        if self.rank != root {
+            let r = cma::read(peers[root].0, peers[root].1, buf, bytes);
+            self.fail_midway(Kind::Broadcast, r)?;
+        }
+        self.sync(None)
+    }
+
+    /// Single-copy allgather: every rank reads each peer's input into its output.
+    unsafe fn allgather_single_copy(&mut self, input: *const u8, output: *mut u8, bytes: usize, d: &Desc) -> Result<()> {
+        let peers = self.publish(input, d)?;
+        // SAFETY: the destination is this rank's piece of `output`; it may be `input`
+        // itself (in-place allgather), hence `copy`.
+        std::ptr::copy(input, output.add(self.rank * bytes), bytes);
+        let (n, me) = (self.n, self.rank);
+        for q in (0..n).filter(|&q| q != me) {
+            let r = cma::read(peers[q].0, peers[q].1, output.add(q * bytes), bytes);
+            self.fail_midway(Kind::Allgather, r)?;
+        }
+        self.sync(None)
+    }
+
+    /// Single-copy reduce-scatter: rank r reduces piece r of every rank's input.
+    unsafe fn reduce_scatter_single_copy(&mut self, input: *const u8, output: *mut u8, count: usize, red: &Reduction, d: &Desc) -> Result<()> {
+        let peers = self.publish(input, d)?;
+        let (a, b) = (self.rank * count, (self.rank + 1) * count);
+        let own = input.add(a * red.dtype.size());
+        let r = self.reduce_range_from_peers(red, &peers, own, output, a, b);
+        self.fail_midway(Kind::ReduceScatter, r)?;
+        self.sync(None)
     }
 }
 

@@ -103,6 +103,10 @@ struct PyCommunicator {
     slot_bytes: usize,
     #[pyo3(get)]
     segment_bytes: usize,
+    /// Message size in bytes from which single-copy transfers are used; None when the
+    /// group cannot use them (probed at attach; `FLAGOS_SHM_CMA`, `FLAGOS_SHM_CMA_MIN_BYTES`).
+    #[pyo3(get)]
+    single_copy_min_bytes: Option<usize>,
     #[pyo3(get)]
     path: String,
 }
@@ -201,6 +205,7 @@ impl PyCommunicator {
             aborter: comm.abort_handle(),
             slot_bytes: comm.slot_bytes(),
             segment_bytes: comm.segment_len(),
+            single_copy_min_bytes: comm.single_copy_min_bytes(),
             inner: Progress::new(comm),
             pending,
             rank,
@@ -367,6 +372,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyCommunicator>()?;
     m.add("DEFAULT_SLOT_BYTES", DEFAULT_SLOT_BYTES)?;
     m.add("ONE_SHOT_MAX_BYTES", ONE_SHOT_MAX_BYTES)?;
+    m.add("CMA_MIN_BYTES", crate::algorithms::CMA_MIN_BYTES)?;
     m.add("SEGMENT_PREFIX", segment::NAME_PREFIX)?;
     m.add("DTYPES", DType::ALL.iter().map(|d| d.name()).collect::<Vec<_>>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

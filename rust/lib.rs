@@ -5,6 +5,7 @@
 //! kernels) and [`algorithms`] (the collectives) → `binding` (PyO3, feature `python`).
 
 pub mod algorithms;
+pub mod cma;
 pub mod error;
 pub mod progress;
 pub mod reduce;

@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 /// `b"FLGOSSHM"` read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"FLGOSSHM");
 /// Bumped whenever the layout or the protocol changes.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Cache-line stride used to separate words written by different ranks.
 pub const LINE: usize = 128;
 /// Bytes of one rank's control block.
@@ -91,7 +91,16 @@ pub struct RankCtrl {
     pub pid: AtomicU32,
     /// The CPU the rank last arrived from (`sched_getcpu`), a hint for waiters.
     pub cpu: AtomicU32,
-    _pad0: [u8; LINE - 16],
+    /// Address (in the rank's own process) of the buffer a single-copy collective reads
+    /// from, published before the collective's first step (see `cma`). At attach: the
+    /// address of the rank's probe word.
+    pub addr: AtomicU64,
+    /// The value of the rank's probe word, which peers read through `process_vm_readv` at
+    /// attach to check that single-copy transfers work and reach the right process.
+    pub probe: AtomicU64,
+    /// Result of this rank's probe of every peer: 0 not yet, 1 every read worked, 2 not.
+    pub cma: AtomicU64,
+    _pad0: [u8; LINE - 40],
     /// Descriptors of the collective this rank is in, indexed by step parity.
     pub desc: [[AtomicU64; DESC_WORDS]; 2],
     _pad1: [u8; LINE - 2 * DESC_WORDS * 8],

@@ -242,9 +242,14 @@ fn aligned_buf(dtype: DType, vals: &[f64]) -> Vec<u64> {
 
 #[test]
 fn allreduce_and_reduce_match_reference_for_every_dtype_and_op() {
-    for n in 1..=4 {
+    for (n, single_copy) in (1..=4).flat_map(|n| [(n, false), (n, true)]) {
         let results = with_group(n, SLOT, move |rank, c| {
             let mut bad = Vec::new();
+            // Single-copy (process_vm_readv, here within one process) for every size > 0.
+            c.set_single_copy_min_bytes(single_copy.then_some(1));
+            if single_copy && n > 1 && c.single_copy_min_bytes().is_none() {
+                bad.push("single-copy transfers unavailable".to_string());
+            }
             for dtype in DType::ALL {
                 for op in ReduceOp::ALL {
                     if !valid(dtype, op) {
@@ -284,7 +289,7 @@ fn allreduce_and_reduce_match_reference_for_every_dtype_and_op() {
             bad
         });
         for (r, bad) in results.iter().enumerate() {
-            assert!(bad.is_empty(), "n={n} rank {r}: {bad:?}");
+            assert!(bad.is_empty(), "n={n} single_copy={single_copy} rank {r}: {bad:?}");
         }
     }
 }
@@ -292,9 +297,10 @@ fn allreduce_and_reduce_match_reference_for_every_dtype_and_op() {
 #[test]
 fn data_movement_collectives_match_reference() {
     let dtype = DType::I32;
-    for n in 1..=4 {
+    for (n, single_copy) in (1..=4).flat_map(|n| [(n, false), (n, true)]) {
         let results = with_group(n, SLOT, move |rank, c| {
             let mut bad = Vec::new();
+            c.set_single_copy_min_bytes(single_copy.then_some(1));
             let v = |r: usize, i: usize| (r * 1_000_000 + i) as f64;
             for count in [0usize, 1, 3, 7, 5000] {
                 let es = dtype.size();
@@ -353,7 +359,7 @@ fn data_movement_collectives_match_reference() {
             bad
         });
         for (r, bad) in results.iter().enumerate() {
-            assert!(bad.is_empty(), "n={n} rank {r}: {bad:?}");
+            assert!(bad.is_empty(), "n={n} single_copy={single_copy} rank {r}: {bad:?}");
         }
     }
 }
