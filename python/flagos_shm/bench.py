@@ -737,6 +737,11 @@ def _fmt_bw(v: float) -> str:
     return f"{v:.3g}" if v >= 0.01 or v == 0 else f"{v:.1e}"
 
 
+def _fmt_ratio(v: float) -> str:
+    """A time ratio: 2 decimals, 2 significant digits below 0.1 (0.0042, not 0.00)."""
+    return f"{v:.2f}" if v >= 0.1 else f"{v:.2g}"
+
+
 def format_tables(doc: dict) -> str:
     """The per-(op, dtype) tables, the copy baseline and the overhead breakdown, as text."""
     n = doc["config"]["world_size"]
@@ -777,7 +782,7 @@ def format_tables(doc: dict) -> str:
                 for b in ratio_cols:
                     r, ref = by.get((b, op, dtype, s)), by.get((REFERENCE, op, dtype, s))
                     width = max(10, len(f"{b}/{REFERENCE}"))
-                    line += (f" | {r['time_us_median'] / ref['time_us_median']:>{width}.2f}"
+                    line += (f" | {_fmt_ratio(r['time_us_median'] / ref['time_us_median']):>{width}}"
                              if r and ref else f" | {'-':>{width}}")
                 lines.append(line)
     copy = doc.get("copy_baseline") or []
@@ -1012,7 +1017,9 @@ def worker(args, argv: Sequence[str]) -> int:
             notes.append(f"MPI {mpi_info['status']}: {mpi_info['reason']}")
         else:
             notes.append("MPI was measured on numpy host buffers (mpi4py, "
-                         f"{mpi_info.get('library', '?')})")
+                         f"{mpi_info.get('library', '?')}); its Bcast (and other small "
+                         "messages sent eagerly) may return before the peers have the data, so "
+                         "per-call times can be below one synchronisation")
     json_path, plot_path = output_paths(args)
     doc = {
         "schema": SCHEMA,
