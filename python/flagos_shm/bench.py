@@ -702,12 +702,17 @@ def run_mpi(plan: Plan, cpus: Optional[List[int]], timeout_s: float,
         info = {"command": shlex.join(cmd), "library": version.strip().splitlines()[0] if version.strip() else exe}
         progress.note(f"MPI: running {info['command']}")
 
-        def child_setup():  # undo rank 0's --bind pinning; die with this process
+        libc = None
+        if sys.platform.startswith("linux"):
+            import ctypes
+            libc = ctypes.CDLL(None)
+
+        def child_setup():  # undo rank 0's --bind pinning; die with this process. Runs
+            # between fork and exec: system calls only, no imports.
             if cpus and hasattr(os, "sched_setaffinity"):
                 os.sched_setaffinity(0, cpus)
-            if sys.platform.startswith("linux"):
-                import ctypes
-                ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+            if libc is not None:
+                libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
 
         start = time.monotonic()
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
