@@ -530,13 +530,16 @@ OVERHEAD_LAYERS = (
     ("dist.all_reduce", "torch.distributed + c10d dispatch + flagos_shm Python + core"),
     ("ProcessGroupShm.allreduce().wait()", "flagos_shm Python (checks, staging, Work) + core"),
     ("Communicator.allreduce", "core only (PyO3 binding call + the collective)"),
+    ("dist.all_reduce(async_op=True).wait()",
+     "as dist.all_reduce, through the progress queue (wait() runs the queued call itself)"),
 )
 
 
 def measure_overhead(group, ctrl, plan: Plan, rank: int, device) -> dict:
     """flagos_shm's per-call overhead at 4 B (one float32), three entry points on one group:
     ``dist.all_reduce``, the process group's own ``allreduce([t], opts).wait()`` and the core
-    ``Communicator.allreduce(ptr, 1, "float32", SUM)``; with ``--device flagos`` also
+    ``Communicator.allreduce(ptr, 1, "float32", SUM)``, and ``dist.all_reduce(async_op=True)
+    .wait()`` (the asynchronous path); with ``--device flagos`` also
     ``dist.all_reduce`` of a flagos tensor (staging included). Each is checked for the right
     sum first. Returns a dict (the same on every rank)."""
     import torch
@@ -556,11 +559,14 @@ def measure_overhead(group, ctrl, plan: Plan, rank: int, device) -> dict:
     ptr = t.data_ptr()
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.SUM
+    opts.asyncOp = False  # the synchronous path, as dist.all_reduce(async_op=False) asks for
     calls: List[Tuple[str, str, Callable[[], None], object]] = [
         (OVERHEAD_LAYERS[0][0], OVERHEAD_LAYERS[0][1], lambda: dist.all_reduce(t, group=group), t),
         (OVERHEAD_LAYERS[1][0], OVERHEAD_LAYERS[1][1], lambda: pg.allreduce([t], opts).wait(), t),
         (OVERHEAD_LAYERS[2][0], OVERHEAD_LAYERS[2][1],
          lambda: comm.allreduce(ptr, 1, "float32", 0), t),
+        (OVERHEAD_LAYERS[3][0], OVERHEAD_LAYERS[3][1],
+         lambda: dist.all_reduce(t, group=group, async_op=True).wait(), t),
     ]
     if device.type != "cpu":
         td = torch.zeros(1, dtype=torch.float32, device=device)
