@@ -901,6 +901,28 @@ def test_collective_small_slots(worlds, backend, collective, world_size):
                  f"{collective} at world size {world_size} with 4 KiB slots")
 
 
+SINGLE_COPY_COLLECTIVES = ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("collective", SINGLE_COPY_COLLECTIVES)
+def test_collective_single_copy(worlds, backend, collective, world_size):
+    """The same checks with the single-copy threshold lowered to 1 KiB
+    (``FLAGOS_SHM_CMA_MIN_BYTES=1024``; allreduce from 8 KiB): the large size of every dtype
+    takes the ``process_vm_readv`` path, including allreduce, which by default switches only
+    at 2 MiB. Skipped where the kernel forbids cross-process reads."""
+    if backend == "gloo":
+        pytest.skip("single-copy is a flagos_shm path")
+    world = worlds(world_size, FLAGOS_SHM_CMA_MIN_BYTES="1024")
+    if world.run(_single_copy_min_bytes)[0] is None:
+        pytest.skip("process_vm_readv between the ranks is not allowed here (ptrace scope / seccomp)")
+    assert_clean(world.run(COLLECTIVES[collective]), f"{collective} at world size {world_size}, single-copy")
+
+
+def _single_copy_min_bytes():
+    return dist.distributed_c10d._get_default_group()._comm.single_copy_min_bytes
+
+
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_barrier(worlds, world_size, tmp_path):
     assert_clean(worlds(world_size).run(rank_barrier, str(tmp_path)), f"barrier at world size {world_size}")
