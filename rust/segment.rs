@@ -43,9 +43,12 @@ pub const CTRL: usize = 2 * LINE;
 /// Page size assumed for alignment (x86-64 and aarch64 Linux base pages are <= 64 KiB;
 /// we only need 4 KiB multiples for `posix_fallocate` and huge-page-free tmpfs).
 pub const PAGE: usize = 4096;
-/// Default bytes of one chunk slot: each rank owns two, so a 4-rank group maps
-/// 4 * 2 * 512 KiB + 8 KiB ~= 4 MiB whatever the tensor sizes.
-pub const DEFAULT_SLOT_BYTES: usize = 512 * 1024;
+/// Default bytes of one chunk slot: each rank owns two, so a group of n ranks maps
+/// n * 2 * 256 KiB plus a few KiB (1 MiB at 2 ranks, 2 MiB at 4) whatever the tensor
+/// sizes, and a default 64 MiB `/dev/shm` holds 63 two-rank or 31 four-rank groups.
+/// 256 and 512 KiB measured the same for 64 KiB-16 MiB allreduce and broadcast
+/// (`python -m flagos_shm.bench --bind`, world size 2).
+pub const DEFAULT_SLOT_BYTES: usize = 256 * 1024;
 /// Largest accepted slot (sanity bound on a value read from shared memory or env).
 pub const MAX_SLOT_BYTES: usize = 1 << 30;
 /// Largest accepted group size.

@@ -42,7 +42,7 @@ PREMUL_FACTOR = 0.3
 #: Ops whose float results are bitwise determined by the documented semantics.
 EXACT_FLOAT_OPS = ("SUM", "PRODUCT", "MIN", "MAX")
 SMALL_SIZES = [0, 1, 3, 7]
-DEFAULT_SLOT_BYTES = 512 * 1024  # used only when flagos_shm is not importable (gloo runs)
+DEFAULT_SLOT_BYTES = 256 * 1024  # used only when flagos_shm is not importable (gloo runs)
 DEFAULT_ONE_SHOT_MAX_BYTES = 256 * 1024
 
 
@@ -73,7 +73,7 @@ def large_numel(dtype: torch.dtype) -> int:
     """An element count of at least 2.5 chunk slots and 1.25 x ONE_SHOT_MAX_BYTES bytes,
     plus 3 elements (neither slot- nor vector-aligned): the message goes through the slots
     in 3 or more chunks and, at 3+ ranks, takes the two-step allreduce. With the default
-    512 KiB slot that is 1.25 MiB (3 chunks); with 4 KiB slots 320 KiB (80 chunks)."""
+    256 KiB slot that is 640 KiB (3 chunks); with 4 KiB slots 320 KiB (80 chunks)."""
     nbytes = max(5 * slot_bytes() // 2, 5 * one_shot_max_bytes() // 4)
     return nbytes // _itemsize(dtype) + 3
 

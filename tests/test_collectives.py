@@ -8,7 +8,7 @@ the result with ``reference.reference_reduce`` or the plain data movement, retur
 ranks' reports and fails with every failing case listed.
 
 Sizes are 0, 1, 3, 7 elements and a large one (``reference.large_numel``): 2.5 chunk
-slots, about 1.25 MiB with the default 512 KiB slot, which goes through the slots in 3
+slots, about 640 KiB with the default 256 KiB slot, which goes through the slots in 3
 chunks and, at 3-4 ranks, takes the two-step allreduce (above ``_core.ONE_SHOT_MAX_BYTES``).
 The large size is above ``_core.CMA_MIN_BYTES``, so allreduce, broadcast, allgather and
 reduce-scatter take the single-copy path (``process_vm_readv``) where the machine allows it.
