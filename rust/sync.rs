@@ -71,7 +71,8 @@ pub fn abort(seg: &Segment, rank: usize) {
     futex_wake(&seg.group().wake);
 }
 
-/// Returns the rank that aborted the group, if any.
+/// Returns the rank that aborted the group, if any. The value is read from shared memory
+/// and only ever printed, never used as an index.
 pub fn aborted_by(seg: &Segment) -> Option<usize> {
     match seg.group().aborted.load(Ordering::Acquire) {
         0 => None,
@@ -98,7 +99,9 @@ fn current_cpu() -> u32 {
 ///
 /// Errors: `Aborted` if the group was aborted, `PeerDied` if a missing rank's process is
 /// gone, `Interrupted` if the interrupt hook fired, `Timeout` at the deadline. Each names
-/// the collective, its sequence number and the missing ranks.
+/// the collective, its sequence number and the missing ranks. `Aborted` also when a
+/// rank's control block holds an arrival counter or pid the protocol cannot produce
+/// (written by a corrupt or malicious process), naming the rank and the value.
 pub fn wait_all(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     wait_arrivals(seg, step, ctx)?;
     // A corrupt counter can only make us stop waiting early; say so instead of going on.
