@@ -133,26 +133,37 @@ impl Kind {
 
 const FLAG_FAIL: u64 = 1;
 
-/// What one rank says it is doing at one sequence position.
+/// What one rank says it is doing at one sequence position. Public (hidden) only so the
+/// fuzz tests can drive [`Desc::decode`] and [`check_peer_desc`].
+#[doc(hidden)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct Desc {
-    kind: u8,
-    dtype: u32,
-    op: u32,
-    flags: u64,
-    count: u64,
-    root: u64,
-    seq: u64,
+pub struct Desc {
+    pub kind: u8,
+    pub dtype: u32,
+    pub op: u32,
+    pub flags: u64,
+    pub count: u64,
+    pub root: u64,
+    pub seq: u64,
     /// PREMUL_SUM's factor as f64 bits (0 otherwise): ranks must agree on it.
-    factor: u64,
+    pub factor: u64,
 }
 
 impl Desc {
-    fn words(&self) -> [u64; DESC_WORDS] {
+    /// The words published in the control block: kind | dtype << 8 | op << 16, flags,
+    /// count, root, seq, factor.
+    pub fn words(&self) -> [u64; DESC_WORDS] {
         [self.kind as u64 | (self.dtype as u64) << 8 | (self.op as u64) << 16, self.flags, self.count, self.root, self.seq, self.factor]
     }
-    fn from_words(w: [u64; DESC_WORDS]) -> Desc {
-        Desc {
+    /// Decodes descriptor words read from a peer's control block in a group of `world`
+    /// ranks. The words are untrusted, so each field is checked: a known kind, dtype and
+    /// reduce-op code, the unused bits of word 0 and of `flags` clear, `root < world`.
+    /// `count`, `seq` and `factor` are only ever compared with the local descriptor, never
+    /// used as a size or an index. Never panics.
+    ///
+    /// Errors: `Mismatch` naming the first bad field.
+    pub fn decode(w: [u64; DESC_WORDS], world: usize) -> Result<Desc> {
+        let d = Desc {
             kind: (w[0] & 0xff) as u8,
             dtype: ((w[0] >> 8) & 0xff) as u32,
             op: ((w[0] >> 16) & 0xff) as u32,
@@ -161,7 +172,27 @@ impl Desc {
             root: w[3],
             seq: w[4],
             factor: w[5],
+        };
+        let bad = |what: String| Err(Error::Mismatch(format!("malformed descriptor: {what}")));
+        if w[0] >> 24 != 0 {
+            return bad(format!("reserved bits set in word 0 ({:#x})", w[0]));
         }
+        if Kind::from_code(d.kind).is_none() {
+            return bad(format!("unknown collective kind {}", d.kind));
+        }
+        if DType::from_code(d.dtype).is_none() {
+            return bad(format!("unknown dtype code {}", d.dtype));
+        }
+        if ReduceOp::from_code(d.op).is_err() {
+            return bad(format!("unknown reduce op code {}", d.op));
+        }
+        if d.flags & !FLAG_FAIL != 0 {
+            return bad(format!("unknown flags {:#x}", d.flags));
+        }
+        if d.root >= world as u64 {
+            return bad(format!("root {} outside 0..{world}", d.root));
+        }
+        Ok(d)
     }
     fn same_call(&self, o: &Desc) -> bool {
         (self.kind, self.dtype, self.op, self.count, self.root, self.seq, self.factor)
@@ -222,7 +253,8 @@ fn ms(d: Duration) -> String {
 impl Communicator {
     /// Maps the segment at `path` as `rank` of `world_size`, waits until all ranks have
     /// attached (at most `timeout`) and unlinks the file. On any failure the file is
-    /// unlinked too, so nothing is left in the segment directory.
+    /// unlinked too, so nothing is left in the segment directory (but only if it is named
+    /// and owned like a segment: see [`segment::remove_if_segment`]).
     pub fn attach(path: &Path, rank: usize, world_size: usize, timeout: Duration) -> Result<Communicator> {
         Self::attach_with(path, rank, world_size, timeout, None)
     }
@@ -237,7 +269,7 @@ impl Communicator {
         interrupt: Option<&(dyn Fn() -> bool + Sync)>,
     ) -> Result<Communicator> {
         let unlink_on_err = |e: Error| {
-            let _ = std::fs::remove_file(path);
+            segment::remove_if_segment(path);
             e
         };
         if rank >= world_size {
@@ -468,28 +500,7 @@ impl Communicator {
             }
             let words: [u64; DESC_WORDS] =
                 std::array::from_fn(|i| self.seg.ctrl(r).desc[parity][i].load(Ordering::Relaxed));
-            let theirs = Desc::from_words(words);
-            if mine.flags & FLAG_FAIL != 0 {
-                continue; // we are the failing rank; our caller raises its own error
-            }
-            if theirs.flags & FLAG_FAIL != 0 {
-                return Err(Error::Mismatch(format!(
-                    "{}: rank {r} rejected its arguments to {} (see the error raised on rank {r}); \
-                     no data was exchanged and the group is still usable",
-                    mine.describe(),
-                    theirs.describe()
-                )));
-            }
-            if !theirs.same_call(mine) {
-                return Err(Error::Mismatch(format!(
-                    "ranks disagree at position {} of the group's sequence: rank {} called {}, rank {r} called {}; \
-                     no output was written and the group is still usable",
-                    mine.seq,
-                    self.rank,
-                    mine.describe(),
-                    theirs.describe()
-                )));
-            }
+            check_peer_desc(mine, self.rank, r, words, self.n)?;
         }
         Ok(())
     }
@@ -911,6 +922,43 @@ impl AbortHandle {
     pub fn abort(&self) {
         sync::abort(&self.seg, self.rank);
     }
+}
+
+/// Compares rank `r`'s descriptor `words`, read from its control block, with this rank's
+/// (`me`) own descriptor `mine` for the same step, in a group of `world` ranks. `Ok` when
+/// `mine` is a failing rank's (its caller raises its own error) or the words are exactly
+/// `mine.words()`; `Mismatch` otherwise: malformed words ([`Desc::decode`]), a peer that
+/// rejected its arguments, or a different call. Nothing is sized or indexed by the peer's
+/// values: the collectives move data by the local descriptor only, after this said `Ok`.
+#[doc(hidden)]
+pub fn check_peer_desc(mine: &Desc, me: usize, r: usize, words: [u64; DESC_WORDS], world: usize) -> Result<()> {
+    if mine.flags & FLAG_FAIL != 0 {
+        return Ok(()); // we are the failing rank; our caller raises its own error
+    }
+    let theirs = Desc::decode(words, world).map_err(|e| {
+        Error::Mismatch(format!(
+            "{}: rank {r} published a {e} (words {words:#x?}); no data was exchanged",
+            mine.describe()
+        ))
+    })?;
+    if theirs.flags & FLAG_FAIL != 0 {
+        return Err(Error::Mismatch(format!(
+            "{}: rank {r} rejected its arguments to {} (see the error raised on rank {r}); \
+             no data was exchanged and the group is still usable",
+            mine.describe(),
+            theirs.describe()
+        )));
+    }
+    if !theirs.same_call(mine) {
+        return Err(Error::Mismatch(format!(
+            "ranks disagree at position {} of the group's sequence: rank {me} called {}, rank {r} called {}; \
+             no output was written and the group is still usable",
+            mine.seq,
+            mine.describe(),
+            theirs.describe()
+        )));
+    }
+    Ok(())
 }
 
 /// Rank `r`'s slice `[a, b)` of a chunk of `len` elements split across `n` ranks; slices

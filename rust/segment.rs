@@ -110,6 +110,7 @@ pub struct RankCtrl {
 }
 
 const _: () = assert!(std::mem::size_of::<Header>() <= LINE);
+const _: () = assert!(std::mem::size_of::<Header>() == 40); // no padding: Header::parse
 const _: () = assert!(std::mem::size_of::<GroupLine>() <= LINE);
 const _: () = assert!(std::mem::size_of::<RankCtrl>() == CTRL);
 
@@ -148,6 +149,96 @@ pub fn check_geometry(world_size: usize, slot_bytes: usize) -> Result<()> {
     Ok(())
 }
 
+/// Bytes of the header at offset 0 (see [`validate_header`] for its fields).
+pub const HEADER_BYTES: usize = std::mem::size_of::<Header>();
+
+impl Header {
+    /// Decodes the header's fields from its first [`HEADER_BYTES`] bytes (native endian,
+    /// `repr(C)` order); `None` if `raw` is shorter.
+    fn parse(raw: &[u8]) -> Option<Header> {
+        let raw = raw.get(..HEADER_BYTES)?;
+        let u32_at = |o: usize| u32::from_ne_bytes(raw[o..o + 4].try_into().unwrap());
+        let u64_at = |o: usize| u64::from_ne_bytes(raw[o..o + 8].try_into().unwrap());
+        Some(Header {
+            magic: u64_at(0),
+            version: u32_at(8),
+            world_size: u32_at(12),
+            slot_bytes: u64_at(16),
+            total_bytes: u64_at(24),
+            creator_uid: u32_at(32),
+            creator_pid: u32_at(36),
+        })
+    }
+}
+
+/// The layout of a segment whose header passed [`validate_header`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    /// Group size; equals the expected one.
+    pub world_size: usize,
+    /// Bytes of one chunk slot; passes [`check_geometry`].
+    pub slot_bytes: usize,
+    /// Bytes of the whole segment: `segment_bytes(world_size, slot_bytes)`, which is also
+    /// the file's length, so mapping this many bytes maps exactly the file.
+    pub total_bytes: usize,
+}
+
+/// Checks a segment header, given as the first bytes of a file of `file_len` bytes,
+/// against the group an attaching rank expects (`world_size`, and its own effective uid
+/// `uid`). Pure: reads nothing but `raw`. `raw` is untrusted (another process wrote it),
+/// so every field is checked before use, in this order: length, magic, version, group
+/// size, creator uid, slot size ([`check_geometry`]), total size against both the layout
+/// and `file_len`. Never panics; no arithmetic on a header value can overflow.
+///
+/// Errors: `InvalidArgument` naming the first field that does not match.
+pub fn validate_header(raw: &[u8], world_size: usize, uid: u32, file_len: u64) -> Result<Geometry> {
+    let bad = |m: String| Err(Error::InvalidArgument(m));
+    let h = match Header::parse(raw) {
+        Some(h) if file_len >= HEADER_BYTES as u64 => h,
+        _ => return bad(format!("file is too small ({file_len} bytes) to hold a header of {HEADER_BYTES} bytes")),
+    };
+    if h.magic != MAGIC {
+        return bad(format!("bad magic {:#x}; not a flagos_shm segment", h.magic));
+    }
+    if h.version != VERSION {
+        return bad(format!("protocol version {} but this build speaks {VERSION}", h.version));
+    }
+    if h.world_size as usize != world_size {
+        return bad(format!("created for {} ranks but this group has {world_size}", h.world_size));
+    }
+    if h.creator_uid != uid {
+        return bad(format!("created by uid {} but this process runs as uid {uid}", h.creator_uid));
+    }
+    let Ok(slot) = usize::try_from(h.slot_bytes) else {
+        return bad(format!("slot_bytes {} in the header is out of range", h.slot_bytes));
+    };
+    check_geometry(world_size, slot).map_err(|e| Error::InvalidArgument(format!("header: {e}")))?;
+    // Bounded by check_geometry: at most MAX_WORLD * 2 * MAX_SLOT_BYTES + a few pages.
+    let total = segment_bytes(world_size, slot);
+    if h.total_bytes != total as u64 {
+        return bad(format!("header says {} bytes but {world_size} ranks with {slot}-byte slots need {total}", h.total_bytes));
+    }
+    if file_len != total as u64 {
+        return bad(format!("size {file_len} does not match its header ({total} bytes)"));
+    }
+    Ok(Geometry { world_size, slot_bytes: slot, total_bytes: total })
+}
+
+/// The header bytes `create` writes for a segment of this geometry, created by `uid`
+/// and `pid`. For tests that forge or mutate headers.
+#[doc(hidden)]
+pub fn encode_header(world_size: u32, slot_bytes: u64, total_bytes: u64, uid: u32, pid: u32) -> [u8; HEADER_BYTES] {
+    let mut b = [0u8; HEADER_BYTES];
+    b[0..8].copy_from_slice(&MAGIC.to_ne_bytes());
+    b[8..12].copy_from_slice(&VERSION.to_ne_bytes());
+    b[12..16].copy_from_slice(&world_size.to_ne_bytes());
+    b[16..24].copy_from_slice(&slot_bytes.to_ne_bytes());
+    b[24..32].copy_from_slice(&total_bytes.to_ne_bytes());
+    b[32..36].copy_from_slice(&uid.to_ne_bytes());
+    b[36..40].copy_from_slice(&pid.to_ne_bytes());
+    b
+}
+
 fn free_bytes(dir: &Path) -> Option<u64> {
     let c = CString::new(dir.as_os_str().as_encoded_bytes()).ok()?;
     // SAFETY: `c` is a valid NUL-terminated path and `st` a properly sized out-parameter.
@@ -161,9 +252,17 @@ fn free_bytes(dir: &Path) -> Option<u64> {
     }
 }
 
+/// Whether `pid`, read from shared memory, can be a process id (1..=i32::MAX).
+pub fn valid_pid(pid: u32) -> bool {
+    pid != 0 && pid <= i32::MAX as u32
+}
+
 /// Whether process `pid` is gone (no such process, or a zombie waiting to be reaped).
 pub fn pid_dead(pid: u32) -> bool {
-    if pid == 0 {
+    // 0 is "not attached yet"; above i32::MAX `kill` would read the value as a process
+    // group (-1: every process we may signal), so such a word read from shared memory
+    // says nothing about liveness (sync.rs reports it as a corrupt control block).
+    if !valid_pid(pid) {
         return false;
     }
     // SAFETY: signal 0 only checks for existence and permission.
@@ -206,14 +305,27 @@ pub fn remove_stale(dir: &Path) -> Vec<PathBuf> {
         if file.read_exact_at(&mut raw, 0).is_err() {
             continue;
         }
-        // SAFETY: `raw` holds size_of::<Header>() bytes; Header is plain old data (any bit
-        // pattern is a valid value), read unaligned.
-        let h: Header = unsafe { std::ptr::read_unaligned(raw.as_ptr() as *const Header) };
+        let Some(h) = Header::parse(&raw) else { continue };
         if h.magic == MAGIC && h.creator_uid == uid && pid_dead(h.creator_pid) && std::fs::remove_file(&path).is_ok() {
             removed.push(path);
         }
     }
     removed
+}
+
+/// Removes `path` after a failed attach, so that a segment nobody can use does not leak,
+/// but only if it looks like a segment of this user: its file name starts with
+/// [`NAME_PREFIX`] and it is a regular file (not a link) owned by this user. The path
+/// comes from the group's store, not from this process, so it alone is not reason enough
+/// to delete whatever file it names. Errors are ignored (best effort).
+pub fn remove_if_segment(path: &Path) {
+    let named = path.file_name().is_some_and(|n| n.to_string_lossy().starts_with(NAME_PREFIX));
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let ours = std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_file() && m.uid() == uid);
+    if named && ours {
+        let _ = std::fs::remove_file(path);
+    }
 }
 
 fn random_hex() -> Result<String> {
@@ -307,7 +419,9 @@ unsafe impl Sync for Segment {}
 impl Segment {
     /// Opens and maps the segment at `path`, checking that it is a regular file owned by
     /// this user with no group/other permissions, and that its header matches
-    /// (magic, version, `world_size`, creator uid, sizes consistent with the file size).
+    /// (magic, version, `world_size`, creator uid, sizes consistent with the file size;
+    /// see [`validate_header`]). The header is read with `pread` and checked before
+    /// anything is mapped, and exactly the validated size is mapped.
     pub fn open(path: &Path, world_size: usize) -> Result<Segment> {
         let ctx = |what: &str| format!("shared-memory segment {}: {what}", path.display());
         let file: File = OpenOptions::new()
@@ -326,33 +440,15 @@ impl Segment {
                 meta.mode() & 0o7777
             ))));
         }
-        let len = meta.len() as usize;
-        if len < data_offset(1) {
-            return Err(Error::InvalidArgument(ctx(&format!("file is too small ({len} bytes)"))));
+        let file_len = meta.len();
+        let mut raw = [0u8; HEADER_BYTES];
+        if file_len >= HEADER_BYTES as u64 {
+            use std::os::unix::fs::FileExt;
+            file.read_exact_at(&mut raw, 0).map_err(|e| Error::io(ctx("cannot read the header"), e))?;
         }
-        let map = MmapOptions::new().len(len).map_raw(&file).map_err(|e| Error::io(ctx("cannot map"), e))?;
-        // SAFETY: the mapping holds at least `data_offset(1)` > size_of::<Header>() bytes;
-        // the header is immutable after creation, so a plain read is race-free.
-        let h = unsafe { (map.as_ptr() as *const Header).read() };
-        let bad = |what: String| Err(Error::InvalidArgument(ctx(&what)));
-        if h.magic != MAGIC {
-            return bad(format!("bad magic {:#x}; not a flagos_shm segment", h.magic));
-        }
-        if h.version != VERSION {
-            return bad(format!("protocol version {} but this build speaks {VERSION}", h.version));
-        }
-        if h.world_size as usize != world_size {
-            return bad(format!("created for {} ranks but this group has {world_size}", h.world_size));
-        }
-        if h.creator_uid != uid {
-            return bad(format!("created by uid {} but this process runs as uid {uid}", h.creator_uid));
-        }
-        let slot = h.slot_bytes as usize;
-        check_geometry(world_size, slot).map_err(|e| Error::InvalidArgument(ctx(&e.to_string())))?;
-        if h.total_bytes as usize != segment_bytes(world_size, slot) || len != h.total_bytes as usize {
-            return bad(format!("size {len} does not match its header ({} bytes)", h.total_bytes));
-        }
-        Ok(Segment { map, path: path.to_path_buf(), world_size, slot_bytes: slot })
+        let geo = validate_header(&raw, world_size, uid, file_len).map_err(|e| Error::InvalidArgument(ctx(&e.to_string())))?;
+        let map = MmapOptions::new().len(geo.total_bytes).map_raw(&file).map_err(|e| Error::io(ctx("cannot map"), e))?;
+        Ok(Segment { map, path: path.to_path_buf(), world_size: geo.world_size, slot_bytes: geo.slot_bytes })
     }
 
     pub fn path(&self) -> &Path {

@@ -71,7 +71,8 @@ pub fn abort(seg: &Segment, rank: usize) {
     futex_wake(&seg.group().wake);
 }
 
-/// Returns the rank that aborted the group, if any.
+/// Returns the rank that aborted the group, if any. The value is read from shared memory
+/// and only ever printed, never used as an index.
 pub fn aborted_by(seg: &Segment) -> Option<usize> {
     match seg.group().aborted.load(Ordering::Acquire) {
         0 => None,
@@ -98,8 +99,43 @@ fn current_cpu() -> u32 {
 ///
 /// Errors: `Aborted` if the group was aborted, `PeerDied` if a missing rank's process is
 /// gone, `Interrupted` if the interrupt hook fired, `Timeout` at the deadline. Each names
-/// the collective, its sequence number and the missing ranks.
+/// the collective, its sequence number and the missing ranks. `Aborted` also when a
+/// rank's control block holds an arrival counter or pid the protocol cannot produce
+/// (written by a corrupt or malicious process), naming the rank and the value.
 pub fn wait_all(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
+    wait_arrivals(seg, step, ctx)?;
+    // A corrupt counter can only make us stop waiting early; say so instead of going on.
+    check_counters(seg, step, ctx)
+}
+
+/// The protocol bounds every rank's arrival counter while a rank waits for `step` (after
+/// arriving at it): nobody is below `step - 1` (we got past step `step - 1`, so all
+/// arrived there) nor above `step + 1` (nobody gets past step `step + 1` before we arrive
+/// there). `None` if `value` is inside, else the message saying it is not.
+pub fn counter_out_of_range(rank: usize, value: u64, step: u64) -> Option<String> {
+    let (lo, hi) = (step.saturating_sub(1), step.saturating_add(1));
+    (value < lo || value > hi)
+        .then(|| format!("rank {rank}'s control block is corrupt: arrival counter {value}, expected {lo}..={hi}"))
+}
+
+/// Checks every rank's arrival counter ([`counter_out_of_range`]) and process id
+/// ([`segment::valid_pid`], or 0 before it attached): values another process wrote into
+/// shared memory. `Aborted` naming the rank and the value otherwise.
+fn check_counters(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
+    for r in 0..seg.world_size() {
+        let c = seg.ctrl(r);
+        let bad = counter_out_of_range(r, c.arrived.load(Ordering::Acquire), step).or_else(|| {
+            let pid = c.pid.load(Ordering::Relaxed);
+            (pid != 0 && !segment::valid_pid(pid)).then(|| format!("rank {r}'s control block is corrupt: pid {pid}"))
+        });
+        if let Some(m) = bad {
+            return Err(Error::Aborted(format!("{} #{} (step {step}): {m}", ctx.what, ctx.seq)));
+        }
+    }
+    Ok(())
+}
+
+fn wait_arrivals(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     let all_in = || (0..seg.world_size()).all(|r| seg.ctrl(r).arrived.load(Ordering::Acquire) >= step);
     if all_in() {
         return Ok(());
@@ -147,6 +183,7 @@ pub fn wait_all(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
 }
 
 fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
+    check_counters(seg, step, ctx)?;
     let head = |m: &[usize]| format!("{} #{} (step {step})", ctx.what, ctx.seq) + &format!(": ranks {m:?} did not arrive");
     if let Some(r) = aborted_by(seg) {
         let m = missing(seg, step);
