@@ -46,6 +46,11 @@ use std::time::{Duration, Instant};
 /// than the two-step one (copy in, reduce half, copy both halves out) and syncs once.
 pub const ONE_SHOT_MAX_BYTES: usize = 256 * 1024;
 
+/// Steps of the group's sequence that `Communicator::attach` takes in a group of two or
+/// more ranks (the single-copy probe); the first collective's first step is
+/// `ATTACH_STEPS + 1`.
+pub const ATTACH_STEPS: u64 = 2;
+
 /// Allgather and reduce-scatter messages of at least this many bytes (the allgather's
 /// output, the reduce-scatter's input) use single-copy transfers (`cma`) when the group
 /// supports them; smaller ones go through the slots, where a synchronisation and a copy

@@ -13,7 +13,7 @@
 //! `PROPTEST_CASES=200000 FLAGOS_SHM_FUZZ_LIVE_CASES=1000 cargo test --release --test fuzz -- --nocapture`
 //! (each test prints its case count and time).
 
-use flagos_shm::algorithms::{check_peer_desc, Desc};
+use flagos_shm::algorithms::{check_peer_desc, Desc, ATTACH_STEPS};
 use flagos_shm::reduce::{DType, ReduceOp};
 use flagos_shm::segment::{self, Segment, DESC_WORDS, HEADER_BYTES, MAGIC, NAME_PREFIX, VERSION};
 use flagos_shm::{Communicator, Error, Kind};
@@ -125,7 +125,7 @@ fn oracle(f: &Fields, world: usize, file_len: u64) -> bool {
     file_len >= HEADER_BYTES as u64
         && (1..=4096).contains(&world)
         && f.magic == u64::from_le_bytes(*b"FLGOSSHM")
-        && f.version == 1
+        && f.version == VERSION
         && f.world as usize == world
         && f.uid == uid()
         && slot % 4096 == 0
@@ -535,7 +535,9 @@ fn a_forged_arrival_counter_is_reported() {
     evil.ctrl(1).arrived.store(1000, Ordering::Release);
     let e = c.barrier().unwrap_err();
     tx.send(()).unwrap();
-    assert!(matches!(&e, Error::Aborted(m) if m.contains("rank 1's control block is corrupt: arrival counter 1000, expected 0..=2")), "{e}");
+    let (lo, hi) = (ATTACH_STEPS, ATTACH_STEPS + 2); // the barrier is step ATTACH_STEPS + 1
+    let want = format!("rank 1's control block is corrupt: arrival counter 1000, expected {lo}..={hi}");
+    assert!(matches!(&e, Error::Aborted(m) if m.contains(&want)), "{e}");
     // Rank 0 aborted the group, so rank 1's next call fails too.
     let e1 = t.join().unwrap().unwrap_err();
     assert!(matches!(e1, Error::Aborted(_)), "{e1}");
@@ -554,21 +556,24 @@ fn a_forged_descriptor_is_reported() {
     let mut c = Communicator::attach(&path, 0, 2, Duration::from_secs(10)).unwrap();
     let _c1 = t.join().unwrap();
     c.set_timeout(Duration::from_secs(5));
-    // Step 1 uses descriptor parity 1: an unknown kind (0xff), then the arrival.
+    // The barrier's step (ATTACH_STEPS + 1) uses descriptor parity 1: an unknown kind
+    // (0xff), then the arrival.
+    let step = ATTACH_STEPS + 1;
+    let parity = (step % 2) as usize;
     let honest = Desc { kind: Kind::Barrier as u8, dtype: DType::U8 as u32, op: 0, flags: 0, count: 0, root: 0, seq: 0, factor: 0 };
     let mut lie = honest.words();
     lie[0] |= 0xff;
-    for (w, v) in evil.ctrl(1).desc[1].iter().zip(lie) {
+    for (w, v) in evil.ctrl(1).desc[parity].iter().zip(lie) {
         w.store(v, Ordering::Relaxed);
     }
-    evil.ctrl(1).arrived.store(1, Ordering::Release);
+    evil.ctrl(1).arrived.store(step, Ordering::Release);
     let e = c.barrier().unwrap_err();
     assert!(matches!(&e, Error::Mismatch(m) if m.contains("rank 1 published a malformed descriptor: unknown collective kind 255")), "{e}");
     // With the honest words the same step matches.
-    for (w, v) in evil.ctrl(1).desc[0].iter().zip(Desc { seq: 1, ..honest }.words()) {
+    for (w, v) in evil.ctrl(1).desc[1 - parity].iter().zip(Desc { seq: 1, ..honest }.words()) {
         w.store(v, Ordering::Relaxed);
     }
-    evil.ctrl(1).arrived.store(2, Ordering::Release);
+    evil.ctrl(1).arrived.store(step + 1, Ordering::Release);
     c.barrier().unwrap();
     std::fs::remove_dir(&dir).unwrap();
 }
