@@ -281,9 +281,17 @@ class ProcessGroupShm(dist.ProcessGroup):
             self._comm.abort()
 
     def shutdown(self) -> None:
-        """Release the shared memory (idempotent); later calls raise RuntimeError."""
+        """Release the shared memory (idempotent); later calls raise RuntimeError.
+
+        A collective still running on this rank (in another thread) is cut short: the group
+        is aborted first, so that call raises RuntimeError at once, as do the peers' calls,
+        instead of holding the segment until the timeout."""
         if not self._closed:
             self._closed = True
+            if self._lock.acquire(blocking=False):  # no collective in flight on this rank
+                self._lock.release()
+            else:
+                self._comm.abort()
             self._comm.close()
 
     # ---- the per-call path --------------------------------------------------------------
