@@ -112,6 +112,15 @@ def _rendezvous(store: dist.Store, rank: int, world_size: int) -> str:
     return value
 
 
+def _with_context(exc: Exception, message: str) -> Exception:
+    """An exception of ``exc``'s type (RuntimeError if that type cannot be built from a
+    message) carrying ``message``."""
+    try:
+        return type(exc)(message)
+    except Exception:  # noqa: BLE001  an exception type with another constructor
+        return RuntimeError(message)
+
+
 def _timeout_seconds(timeout) -> Optional[float]:
     """A timedelta/seconds value -> seconds; ``None`` or <= 0 (c10d's -1 ms "unset") -> ``None``."""
     if timeout is None:
@@ -239,7 +248,11 @@ class ProcessGroupShm(dist.ProcessGroup):
         self._lock = threading.Lock()
         self._closed = False
         timeout_s = _timeout_seconds(timeout) or default_pg_timeout.total_seconds()
-        path = _rendezvous(store, rank, world_size)
+        try:
+            path = _rendezvous(store, rank, world_size)
+        except RuntimeError as exc:  # the store's wait timed out, or rank 0 failed to create
+            raise _with_context(exc, f"flagos_shm group {group_name!r} (rank {rank}/{world_size}): "
+                                     f"waiting for group rank 0's segment path in the store: {exc}") from exc
         try:
             self._comm = _core.Communicator(path, rank, world_size, timeout_s)
         except (RuntimeError, ValueError) as exc:
