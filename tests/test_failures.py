@@ -944,3 +944,25 @@ def test_many_overlapping_groups(worlds):
         print(f"rank {rank}: {res['checked']} checks in {res['elapsed']:.2f} s")
         assert res["failures"] == [] and res["checked"] > 100, (rank, res)
         assert res["maps"] == [] and res["left"] == [], (rank, res)
+
+
+# ==== 8. the soak run, briefly ============================================================================
+
+def test_soak_runs_briefly(tmp_path):
+    """``tests/soak.py`` (run for minutes by hand or nightly) works: a 10 s run with 3
+    workers and kills in most rounds ends with operations and kills done, and no wrong
+    result, unexpected error, hang, leaked segment or leftover process."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "soak.json"
+    proc = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "soak.py"), "--seconds", "10",
+                           "--nproc", "3", "--kill-rate", "0.7", "--seed", "11", "--json", str(out)],
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stats = json.loads(out.read_text())["stats"]
+    assert stats["operations"] > 0 and stats["kills"] > 0, stats
+    for key in ("wrong_results", "unexpected_errors", "hung_workers", "crashes", "segments_leaked",
+                "dev_shm_entries_leaked", "leftover_processes"):
+        assert stats[key] == 0, (key, stats)
