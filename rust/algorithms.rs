@@ -33,7 +33,7 @@ use crate::reduce::{reduce_raw, DType, ReduceOp, Reduction};
 use crate::segment::{self, Segment, DESC_WORDS};
 use crate::sync::{self, WaitCtx};
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::ptr::copy_nonoverlapping;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -237,6 +237,8 @@ pub struct Communicator {
     step: u64,
     /// Collectives issued so far.
     seq: u64,
+    /// The collective in progress (the last one begun), named in error messages.
+    kind: Kind,
     timeout: Duration,
     /// Set after an error that desynchronised the ranks; every later call fails with it.
     broken: Option<String>,
@@ -320,6 +322,7 @@ impl Communicator {
             n: world_size,
             step: 0,
             seq: 0,
+            kind: Kind::Barrier,
             timeout,
             broken: None,
             interrupt: None,
@@ -422,7 +425,7 @@ impl Communicator {
     /// A handle that aborts the group from another thread while this communicator is
     /// busy in a collective.
     pub fn abort_handle(&self) -> AbortHandle {
-        AbortHandle { seg: Arc::clone(&self.seg), rank: self.rank }
+        AbortHandle { seg: Arc::downgrade(&self.seg), rank: self.rank }
     }
 
     /// Aborts the group: this and every peer's pending and later calls fail.
@@ -463,6 +466,7 @@ impl Communicator {
             factor: red.map_or(0, |r| r.factor.to_bits()),
         };
         self.seq += 1;
+        self.kind = kind;
         Ok(d)
     }
 
@@ -478,7 +482,7 @@ impl Communicator {
         }
         sync::arrive(&self.seg, self.rank, step);
         self.step = step;
-        let what = desc.and_then(|d| Kind::from_code(d.kind)).map_or("collective", |k| k.name());
+        let what = self.kind.name();
         let ctx = WaitCtx {
             what,
             seq: self.seq.saturating_sub(1),
@@ -915,17 +919,22 @@ impl Communicator {
 }
 
 /// Aborts a group without borrowing its communicator; see [`Communicator::abort_handle`].
+/// It holds the segment weakly, so it does not keep the mapping alive once the
+/// communicator is dropped (closing a group unmaps its segment at once).
 #[derive(Clone)]
 pub struct AbortHandle {
-    seg: Arc<Segment>,
+    seg: Weak<Segment>,
     rank: usize,
 }
 
 impl AbortHandle {
     /// Marks the group aborted and wakes every waiting rank; their calls fail with
-    /// `Aborted`, and so does every later call on the group.
+    /// `Aborted`, and so does every later call on the group. Does nothing once the
+    /// communicator has been dropped.
     pub fn abort(&self) {
-        sync::abort(&self.seg, self.rank);
+        if let Some(seg) = self.seg.upgrade() {
+            sync::abort(&seg, self.rank);
+        }
     }
 }
 

@@ -185,10 +185,6 @@ fn wait_arrivals(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
 fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     check_counters(seg, step, ctx)?;
     let head = |m: &[usize]| format!("{} #{} (step {step})", ctx.what, ctx.seq) + &format!(": ranks {m:?} did not arrive");
-    if let Some(r) = aborted_by(seg) {
-        let m = missing(seg, step);
-        return Err(Error::Aborted(format!("{}; the group was aborted by rank {r}", head(&m))));
-    }
     let m = missing(seg, step);
     let dead: Vec<String> = m
         .iter()
@@ -199,6 +195,11 @@ fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
         .collect();
     if !dead.is_empty() {
         return Err(Error::PeerDied(format!("{}; {} exited", head(&m), dead.join(", "))));
+    }
+    // After the liveness check, so that every survivor of a dead peer says so, not only
+    // the first one to notice (which aborts the group for the others).
+    if let Some(r) = aborted_by(seg) {
+        return Err(Error::Aborted(format!("{}; the group was aborted by rank {r}", head(&m))));
     }
     if let Some(hook) = ctx.interrupt {
         if hook() {

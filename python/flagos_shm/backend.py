@@ -113,6 +113,15 @@ def _rendezvous(store: dist.Store, rank: int, world_size: int) -> str:
     return value
 
 
+def _with_context(exc: Exception, message: str) -> Exception:
+    """An exception of ``exc``'s type (RuntimeError if that type cannot be built from a
+    message) carrying ``message``."""
+    try:
+        return type(exc)(message)
+    except Exception:  # noqa: BLE001  an exception type with another constructor
+        return RuntimeError(message)
+
+
 def _timeout_seconds(timeout) -> Optional[float]:
     """A timedelta/seconds value -> seconds; ``None`` or <= 0 (c10d's -1 ms "unset") -> ``None``."""
     if timeout is None:
@@ -241,7 +250,11 @@ class ProcessGroupShm(dist.ProcessGroup):
         self._closed = False
         self._async = os.environ.get(ENV_ASYNC, "1").strip() != "0"
         timeout_s = _timeout_seconds(timeout) or default_pg_timeout.total_seconds()
-        path = _rendezvous(store, rank, world_size)
+        try:
+            path = _rendezvous(store, rank, world_size)
+        except RuntimeError as exc:  # the store's wait timed out, or rank 0 failed to create
+            raise _with_context(exc, f"flagos_shm group {group_name!r} (rank {rank}/{world_size}): "
+                                     f"waiting for group rank 0's segment path in the store: {exc}") from exc
         try:
             self._comm = _core.Communicator(path, rank, world_size, timeout_s)
         except (RuntimeError, ValueError) as exc:
@@ -283,9 +296,17 @@ class ProcessGroupShm(dist.ProcessGroup):
             self._comm.abort()
 
     def shutdown(self) -> None:
-        """Release the shared memory (idempotent); later calls raise RuntimeError."""
+        """Release the shared memory (idempotent); later calls raise RuntimeError.
+
+        A collective still running on this rank (in another thread) is cut short: the group
+        is aborted first, so that call raises RuntimeError at once, as do the peers' calls,
+        instead of holding the segment until the timeout."""
         if not self._closed:
             self._closed = True
+            if self._lock.acquire(blocking=False):  # no collective in flight on this rank
+                self._lock.release()
+            else:
+                self._comm.abort()
             self._comm.close()
 
     # ---- the per-call path --------------------------------------------------------------
