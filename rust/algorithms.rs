@@ -862,7 +862,7 @@ impl Communicator {
                     }
                 } else {
                     let (pid, addr) = peers[q];
-                    cma::read(pid, addr.wrapping_add((x * es) as u64), bufs[q], len * es)?;
+                    cma::read(pid, addr.wrapping_add((x * es) as u64), bufs[q], len * es).map_err(|e| of_rank(q, e))?;
                     *s = bufs[q];
                 }
             }
@@ -887,7 +887,8 @@ impl Communicator {
         let (n, me) = (self.n, self.rank);
         for q in (0..n).filter(|&q| q != me) {
             let (qa, qb) = slice_bounds(count, self.n, q);
-            let r = cma::read(peers[q].0, peers[q].1.wrapping_add((qa * es) as u64), buf.add(qa * es), (qb - qa) * es);
+            let r = cma::read(peers[q].0, peers[q].1.wrapping_add((qa * es) as u64), buf.add(qa * es), (qb - qa) * es)
+                .map_err(|e| of_rank(q, e));
             self.fail_midway(Kind::Allreduce, r)?;
         }
         self.sync(None)
@@ -901,7 +902,7 @@ impl Communicator {
         std::ptr::copy(input, output.add(self.rank * bytes), bytes);
         let (n, me) = (self.n, self.rank);
         for q in (0..n).filter(|&q| q != me) {
-            let r = cma::read(peers[q].0, peers[q].1, output.add(q * bytes), bytes);
+            let r = cma::read(peers[q].0, peers[q].1, output.add(q * bytes), bytes).map_err(|e| of_rank(q, e));
             self.fail_midway(Kind::Allgather, r)?;
         }
         self.sync(None)
@@ -915,6 +916,14 @@ impl Communicator {
         let r = self.reduce_range_from_peers(red, &peers, own, output, a, b);
         self.fail_midway(Kind::ReduceScatter, r)?;
         self.sync(None)
+    }
+}
+
+/// Prefixes a single-copy read error with the peer rank it was reading from.
+fn of_rank(q: usize, e: Error) -> Error {
+    match e {
+        Error::PeerDied(m) => Error::PeerDied(format!("ranks [{q}] did not finish: rank {q} exited ({m})")),
+        other => other,
     }
 }
 

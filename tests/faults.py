@@ -63,12 +63,15 @@ def shm_group(store_path: str, rank: int, size: int, name: str, timeout_s: float
               slot_bytes: Optional[int] = None, shm_dir: Optional[str] = None):
     """``ProcessGroupShm`` of ``size`` ranks (this process is group rank ``rank``), meeting
     through a ``FileStore`` at ``store_path`` (one fresh path per group) whose waits also end
-    after ``timeout_s`` seconds. ``slot_bytes`` / ``shm_dir`` override the environment."""
+    after ``timeout_s`` seconds. ``slot_bytes`` / ``shm_dir`` override the environment; with
+    ``slot_bytes`` single-copy transfers are turned off (``FLAGOS_SHM_CMA=0``), so that large
+    messages take many chunk steps through the slots (a peer can die midway)."""
     from flagos_shm import ProcessGroupShm
 
     store = dist.FileStore(store_path, size)
     store.set_timeout(timedelta(seconds=timeout_s))
-    with env_override(FLAGOS_SHM_SLOT_BYTES=slot_bytes, FLAGOS_SHM_DIR=shm_dir):
+    with env_override(FLAGOS_SHM_SLOT_BYTES=slot_bytes, FLAGOS_SHM_DIR=shm_dir,
+                      FLAGOS_SHM_CMA="0" if slot_bytes else None):
         return ProcessGroupShm(store, rank, size, timeout=timedelta(seconds=timeout_s), group_name=name)
 
 
