@@ -523,13 +523,17 @@ fn a_forged_arrival_counter_is_reported() {
     let path = segment::create(&dir, 2, 4096).unwrap();
     let evil = Segment::open(&path, 2).unwrap();
     let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let (attached_tx, attached_rx) = std::sync::mpsc::channel::<()>();
     let p1 = path.clone();
     let t = std::thread::spawn(move || {
         let mut c = Communicator::attach(&p1, 1, 2, Duration::from_secs(10)).unwrap();
+        attached_tx.send(()).unwrap();
         rx.recv().unwrap(); // rank 0 has seen the forged counter
         c.barrier()
     });
     let mut c = Communicator::attach(&path, 0, 2, Duration::from_secs(10)).unwrap();
+    // Forge only once rank 1 is through attach (whose probe steps check counters too).
+    attached_rx.recv().unwrap();
     c.set_timeout(Duration::from_secs(5));
     // Rank 1 "arrives" at step 1000 before anyone called anything.
     evil.ctrl(1).arrived.store(1000, Ordering::Release);
