@@ -46,12 +46,16 @@ DEFAULT_DIR = "/dev/shm"
 SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM = range(9)
 _OP_NAMES = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
 _COMPLEX_OPS = (SUM, AVG, PREMUL_SUM)  # elementwise on (real, imag) pairs
+_RED_OP_TYPE = dist.ReduceOp.RedOpType
 
 # c10d's options classes, grouped by the fields they carry (all have .timeout).
 _REDUCE_OPTIONS = (c10d.AllreduceOptions, c10d.AllreduceCoalescedOptions, c10d.ReduceOptions,
                    c10d.ReduceScatterOptions)
 _ROOT_OPTIONS = (c10d.BroadcastOptions, c10d.ReduceOptions, c10d.GatherOptions, c10d.ScatterOptions)
 _OPTIONS = (*_REDUCE_OPTIONS, *_ROOT_OPTIONS, c10d.AllgatherOptions, c10d.BarrierOptions, c10d.AllToAllOptions)
+# options type -> (has reduceOp, has rootRank, has rootTensor)
+_OPTION_FIELDS = {t: (t in _REDUCE_OPTIONS, t in _ROOT_OPTIONS, t in (c10d.BroadcastOptions, c10d.ReduceOptions))
+                  for t in _OPTIONS}
 _STORE_COUNTER = "flagos_shm/rendezvous"
 _STORE_ERROR = "error:"
 
@@ -136,7 +140,7 @@ def _reduce_op(op) -> tuple[int, float]:
         return SUM, 1.0
     kind = getattr(op, "op", op)  # a ReduceOp instance carries its RedOpType in .op
     try:
-        code = int(kind)
+        code = kind.value if type(kind) is _RED_OP_TYPE else int(kind)  # .value: the cheaper read
     except (TypeError, ValueError):
         raise TypeError(f"op: expected a torch.distributed.ReduceOp, got {op!r}") from None
     if not 0 <= code < len(_OP_NAMES):
@@ -158,6 +162,8 @@ def _reduce_op(op) -> tuple[int, float]:
 def _check_op(op: int, buf: staging.HostBuffer, arg: str) -> None:
     """The core's dtype/op rules, checked before the call so that peers can be told."""
     dtype = buf.torch_dtype
+    if (op, dtype) in _VALID_OP_DTYPES:  # seen and accepted before (the per-call fast path)
+        return
     name = _OP_NAMES[op]
     if dtype.is_complex and op not in _COMPLEX_OPS:
         raise TypeError(f"{arg}: ReduceOp.{name} is not defined for complex dtype {dtype}; use SUM, AVG or PREMUL_SUM")
@@ -167,6 +173,10 @@ def _check_op(op: int, buf: staging.HostBuffer, arg: str) -> None:
         raise TypeError(f"{arg}: ReduceOp.PREMUL_SUM needs a floating-point tensor, got {dtype}")
     if op == AVG and dtype == torch.bool:
         raise TypeError(f"{arg}: ReduceOp.AVG is not defined for bool tensors")
+    _VALID_OP_DTYPES.add((op, dtype))
+
+
+_VALID_OP_DTYPES: set = set()
 
 
 def _same_dtype(bufs: Sequence, args: Sequence[str]) -> None:
@@ -319,13 +329,17 @@ class ProcessGroupShm(dist.ProcessGroup):
 
     def _args(self, opts, loose: Optional[str] = None, *, op=None, root=None, timeout=None) -> _Args:
         """Read a c10d options object, or the loose (op/root/timeout) arguments of the overloads."""
-        if isinstance(opts, _OPTIONS):
+        fields = _OPTION_FIELDS.get(type(opts))  # exact type: a dict lookup, not 3 isinstance calls
+        if fields is None and isinstance(opts, _OPTIONS):  # a subclass
+            fields = next(f for t, f in _OPTION_FIELDS.items() if isinstance(opts, t))
+        if fields is not None:
             timeout = opts.timeout
-            if isinstance(opts, _REDUCE_OPTIONS):
+            has_op, has_root, has_root_tensor = fields
+            if has_op:
                 op = opts.reduceOp
-            if isinstance(opts, _ROOT_OPTIONS):
+            if has_root:
                 root = opts.rootRank
-                if isinstance(opts, (c10d.BroadcastOptions, c10d.ReduceOptions)) and opts.rootTensor != 0:
+                if has_root_tensor and opts.rootTensor != 0:
                     raise ValueError(f"opts.rootTensor: expected 0 (one tensor per rank), got {opts.rootTensor}")
         elif isinstance(opts, timedelta):
             timeout = opts

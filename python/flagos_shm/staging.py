@@ -162,7 +162,7 @@ def check(tensor, arg: str, *, write: bool = False) -> str:
     dtype = core_dtype(tensor.dtype, arg)
     if tensor.layout != torch.strided:
         raise TypeError(f"{arg}: expected a dense (strided) tensor, got layout {tensor.layout}")
-    if tensor.device.type == "meta":
+    if tensor.is_meta:
         raise TypeError(f"{arg}: tensor is on the meta device and holds no data")
     if write and not tensor.is_contiguous() and any(
             s == 0 and n > 1 for s, n in zip(tensor.stride(), tensor.shape)):
