@@ -161,7 +161,7 @@ def steps_of(kind: str, numel: int, n: int, slot_bytes: int, itemsize: int = 4) 
         return 1
     per = slot_bytes // itemsize // (n if kind in ("reduce_scatter", "alltoall") else 1)
     chunks = max(1, math.ceil(numel / per))
-    two_step = kind == "allreduce" and n > 2 and numel * itemsize > 256 * 1024
+    two_step = kind == "allreduce" and n >= 2 and numel * itemsize > 256 * 1024
     return chunks * (2 if two_step else 1)
 
 

@@ -60,7 +60,7 @@ def slot_bytes() -> int:
 
 
 def one_shot_max_bytes() -> int:
-    """Above this message size (bytes) the core's allreduce takes two steps at 3+ ranks."""
+    """Above this message size (bytes) the core's allreduce takes two steps (2+ ranks)."""
     try:
         from flagos_shm import _core
 
@@ -72,7 +72,7 @@ def one_shot_max_bytes() -> int:
 def large_numel(dtype: torch.dtype) -> int:
     """An element count of at least 2.5 chunk slots and 1.25 x ONE_SHOT_MAX_BYTES bytes,
     plus 3 elements (neither slot- nor vector-aligned): the message goes through the slots
-    in 3 or more chunks and, at 3+ ranks, takes the two-step allreduce. With the default
+    in 3 or more chunks and, at 2+ ranks, takes the two-step allreduce. With the default
     256 KiB slot that is 640 KiB (3 chunks); with 4 KiB slots 320 KiB (80 chunks)."""
     nbytes = max(5 * slot_bytes() // 2, 5 * one_shot_max_bytes() // 4)
     return nbytes // _itemsize(dtype) + 3

@@ -9,12 +9,12 @@ ranks' reports and fails with every failing case listed.
 
 Sizes are 0, 1, 3, 7 elements and a large one (``reference.large_numel``): 2.5 chunk
 slots, about 640 KiB with the default 256 KiB slot, which goes through the slots in 3
-chunks and, at 3-4 ranks, takes the two-step allreduce (above ``_core.ONE_SHOT_MAX_BYTES``).
+chunks and, at 2-4 ranks, takes the two-step allreduce (above ``_core.ONE_SHOT_MAX_BYTES``).
 The large size is above ``_core.CMA_MIN_BYTES``, so allreduce, broadcast, allgather and
 reduce-scatter take the single-copy path (``process_vm_readv``) where the machine allows it.
 ``test_collective_small_slots`` repeats six collectives in pools with 4 KiB slots
 (``FLAGOS_SHM_SLOT_BYTES=4096``) and single-copy off (``FLAGOS_SHM_CMA=0``), where the
-large size is 320 KiB: 80 chunks through the slots, two-step at 3 ranks, slices of each
+large size is 320 KiB: 80 chunks through the slots, two-step allreduce, slices of each
 chunk not divisible by 3.
 
 Cases that gloo does not support are skipped when the suite runs with ``--backend gloo``
@@ -893,7 +893,7 @@ SMALL_SLOT_COLLECTIVES = ["all_reduce", "reduce", "reduce_scatter_tensor", "all_
 def test_collective_small_slots(worlds, backend, collective, world_size):
     """The same checks with 4 KiB chunk slots (FLAGOS_SHM_SLOT_BYTES=4096) and single-copy
     transfers off (FLAGOS_SHM_CMA=0): the large size is then 320 KiB, i.e. 80 chunks
-    through the slots (two-step allreduce at 3 ranks). The default pools take the
+    through the slots (two-step allreduce). The default pools take the
     single-copy path for the large size (above ``_core.CMA_MIN_BYTES``)."""
     if backend == "gloo":
         pytest.skip("slot size is a flagos_shm setting")
