@@ -16,6 +16,9 @@
 //! aborted flag, whether the missing peers' processes are still alive, and the caller's
 //! interrupt hook (Ctrl-C). So 4 ranks on 2 cores make progress, an idle waiter costs no
 //! CPU, and no wait outlives its deadline.
+//!
+//! A rank that gets past a step while another rank last ran on its CPU yields once
+//! ([`wait_all`]), so that rank (likely waiting for the same step) leaves it at once.
 
 use crate::error::{Error, Result};
 use crate::segment::{self, GroupLine, Segment};
@@ -105,7 +108,21 @@ fn current_cpu() -> u32 {
 pub fn wait_all(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     wait_arrivals(seg, step, ctx)?;
     // A corrupt counter can only make us stop waiting early; say so instead of going on.
-    check_counters(seg, step, ctx)
+    check_counters(seg, step, ctx)?;
+    hand_over_if_shared(seg);
+    Ok(())
+}
+
+/// With more ranks than CPUs, a rank that last arrived on our CPU may be waiting for this
+/// very step, runnable but descheduled: yield once, so that it leaves the step now
+/// instead of after our next time slice (otherwise its call lasts our whole next call
+/// too). No-op when no other rank last ran on our CPU.
+fn hand_over_if_shared(seg: &Segment) {
+    let cpu = current_cpu();
+    // Our own counter's CPU was stored by our arrival, so "shared" means 2 or more.
+    if (0..seg.world_size()).filter(|&r| seg.ctrl(r).cpu.load(Ordering::Relaxed) == cpu).nth(1).is_some() {
+        std::thread::yield_now();
+    }
 }
 
 /// The protocol bounds every rank's arrival counter while a rank waits for `step` (after
