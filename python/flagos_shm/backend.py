@@ -126,9 +126,12 @@ def _with_context(exc: Exception, message: str) -> Exception:
         return RuntimeError(message)
 
 
+_UNSET_TIMEOUT = timedelta(milliseconds=-1)  # c10d's kUnsetTimeout
+
+
 def _timeout_seconds(timeout) -> Optional[float]:
     """A timedelta/seconds value -> seconds; ``None`` or <= 0 (c10d's -1 ms "unset") -> ``None``."""
-    if timeout is None:
+    if timeout is None or timeout == _UNSET_TIMEOUT:  # the latter: what c10d passes by default
         return None
     seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
     return seconds if seconds > 0 else None

@@ -105,15 +105,6 @@ class HostBuffer:
         self._event = None  # recorded after the host-to-device copy of ``finish``
         self._stream = stream  # the device stream current at staging (device tensors only)
 
-    def __del__(self):
-        # Return the pinned buffer to the pool once nothing refers to this buffer any more
-        # (right after the call in CPython); the event orders its reuse after any pending
-        # host-to-device copy from it.
-        pinned = getattr(self, "_pinned", None)
-        if pinned is not None:
-            self._pinned = None
-            pinned_pool().release(pinned, self._event)
-
     @property
     def flat(self) -> torch.Tensor:
         """1-D view of the buffer in the core dtype (what the core reads and writes)."""
@@ -148,6 +139,22 @@ class HostBuffer:
                         self.tensor.copy_(self.host, non_blocking=True)
                         self._event = self._stream.record_event()
             self._write_back = False
+
+
+class _PinnedHostBuffer(HostBuffer):
+    """A :class:`HostBuffer` in the pinned pool's memory (device tensors): returns that
+    memory to the pool once nothing refers to the buffer any more (right after the call
+    in CPython). A separate class so that CPU buffers, the per-call fast path, carry no
+    finaliser."""
+
+    __slots__ = ()
+
+    def __del__(self):
+        # The event orders the memory's reuse after any pending host-to-device copy from it.
+        pinned = getattr(self, "_pinned", None)
+        if pinned is not None:
+            self._pinned = None
+            pinned_pool().release(pinned, self._event)
 
 
 def check(tensor, arg: str, *, write: bool = False) -> str:
@@ -251,7 +258,7 @@ def _stage_device(tensor: torch.Tensor, dtype: str, read: bool, write: bool) -> 
             # a non-contiguous source is gathered by the copy itself.
             host.copy_(tensor.resolve_conj().resolve_neg(), non_blocking=True)
         stream.synchronize()  # this stream only, not the device
-    return HostBuffer(tensor, host, dtype, write_back=write, pinned=pinned, stream=stream)
+    return _PinnedHostBuffer(tensor, host, dtype, write_back=write, pinned=pinned, stream=stream)
 
 
 class PinnedPool:

@@ -52,19 +52,25 @@ class ShmWork(dist.Work):
             the work on the waiting thread if the progress thread has not started it yet.
     """
 
+    # Defaults of a completed, successful work, kept on the class: the common, latency-
+    # critical case sets only its outputs (and builds no Event or Lock).
+    _error: Optional[BaseException] = None
+    _abort: Optional[Callable[[], None]] = None
+    _help: Optional[Callable[[], None]] = None
+    _future: Optional[torch.futures.Future] = None  # made on demand (DDP asks for it)
+    _done = _COMPLETED
+    _lock = _NO_LOCK
+
     def __init__(self, outputs: list[torch.Tensor], error: Optional[BaseException] = None, *,
                  pending: bool = False, abort: Optional[Callable[[], None]] = None,
                  help: Optional[Callable[[], None]] = None):
         super().__init__()
         self._outputs = outputs
-        self._error = error
-        self._abort = abort
-        self._help = help
-        self._future: Optional[torch.futures.Future] = None  # made on demand (DDP asks for it)
-        # Only pending works need synchronisation (a completed one is the common,
-        # latency-critical case: no Event or Lock is built for it).
-        self._done = threading.Event() if pending else _COMPLETED
-        self._lock = threading.Lock() if pending else _NO_LOCK
+        if error is not None:
+            self._error = error
+        if pending:
+            self._abort, self._help = abort, help
+            self._done, self._lock = threading.Event(), threading.Lock()
 
     def _complete(self, error: Optional[BaseException] = None) -> None:
         """Mark the work finished (with ``error`` if it failed) and complete its future."""
