@@ -136,8 +136,9 @@ def _progress_threads() -> dict:
         except FileNotFoundError:
             continue
         name = stat[stat.index("(") + 1:stat.rindex(")")]
-        if name.startswith("flagos_shm-prog"):
-            fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2:].split()
+        # A joined thread can linger in /proc for a moment as a dead/zombie task.
+        if name.startswith("flagos_shm-prog") and fields[0] not in ("X", "Z"):
             out[tid] = (int(fields[11]) + int(fields[12])) / tick
     return out
 
@@ -152,6 +153,11 @@ def rank_idle_thread(idle_s: float) -> dict:
         after = _progress_threads()
     finally:
         dist.destroy_process_group(group)
+    # pthread_join returns when the kernel clears the thread's id, a moment before the
+    # task leaves /proc: allow that moment (a thread that was not joined stays listed).
+    deadline = time.monotonic() + 2.0
+    while len(_progress_threads()) >= len(before) and time.monotonic() < deadline:
+        time.sleep(0.01)
     return {"threads": len(before), "cpu_s": sum(after.get(t, 0.0) - c for t, c in before.items()),
             "threads_after_destroy": len(_progress_threads())}
 

@@ -300,6 +300,11 @@ def rank_release(tmp: str, how: str, tag: str) -> dict:
         pg.barrier().wait()
         t = torch.arange(8, dtype=torch.float32)
         if rank == 0:
+            if how == "sigint":
+                # Python leaves SIGINT ignored when it started ignored (a job started in the
+                # background by a non-interactive shell, as some CI runners do): the test
+                # is about our wait noticing Python's handler, so install it.
+                previous = signal.signal(signal.SIGINT, signal.default_int_handler)
             action = {"abort": pg.abort, "shutdown": pg.shutdown,
                       "sigint": lambda: os.kill(os.getpid(), signal.SIGINT)}[how]
             timer = threading.Timer(RELEASE_AFTER_S, action)
@@ -312,6 +317,8 @@ def rank_release(tmp: str, how: str, tag: str) -> dict:
                 res["error"] = error_info(exc)
             res["elapsed"] = time.monotonic() - t0
             timer.join()
+            if how == "sigint":
+                signal.signal(signal.SIGINT, previous)
             res["untouched"] = torch.equal(t, torch.arange(8, dtype=torch.float32))
             t1 = time.monotonic()
             try:

@@ -130,10 +130,15 @@ def test_world_size_one_in_process(tmp_path, monkeypatch):
 
 
 LONELY_RANK = r"""
+import signal
 import sys
 from datetime import timedelta
 import torch.distributed as dist
 import flagos_shm
+# Python starts with SIGINT ignored when its parent ignores it (a job started in the
+# background by a non-interactive shell, as some CI runners do); a terminal user's
+# process has this handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 print("READY", flush=True)
 dist.init_process_group("flagos_shm", store=dist.FileStore(sys.argv[1], 2), rank=0, world_size=2,
                         timeout=timedelta(seconds=120))
