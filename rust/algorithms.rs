@@ -264,17 +264,22 @@ impl Communicator {
     /// unlinked too, so nothing is left in the segment directory (but only if it is named
     /// and owned like a segment: see [`segment::remove_if_segment`]).
     pub fn attach(path: &Path, rank: usize, world_size: usize, timeout: Duration) -> Result<Communicator> {
-        Self::attach_with(path, rank, world_size, timeout, None)
+        Self::attach_with(path, rank, world_size, timeout, None, &[])
     }
 
     /// [`Self::attach`] with an interrupt hook, checked every few milliseconds while
-    /// waiting for the other ranks (returning `true` stops with `Interrupted`).
+    /// waiting for the other ranks (returning `true` stops with `Interrupted`), and the
+    /// process ids of the ranks as far as the caller knows them (`peer_pids[r]`, 0 or
+    /// missing: unknown; the c10d backend learns them through the group's store): a rank
+    /// whose process exits before it attaches fails the wait with `PeerDied` at once
+    /// instead of at the timeout.
     pub fn attach_with(
         path: &Path,
         rank: usize,
         world_size: usize,
         timeout: Duration,
         interrupt: Option<&(dyn Fn() -> bool + Sync)>,
+        peer_pids: &[u32],
     ) -> Result<Communicator> {
         let unlink_on_err = |e: Error| {
             segment::remove_if_segment(path);
@@ -312,6 +317,27 @@ impl Communicator {
             if interrupt.is_some_and(|hook| hook()) {
                 sync::abort(&seg, rank);
                 return Err(unlink_on_err(Error::Interrupted(format!("setting up shared-memory segment {}", path.display()))));
+            }
+            if let Some(r) = sync::aborted_by(&seg) {
+                // A peer gave up setting up (it saw a rank exit, or timed out, or was interrupted).
+                let absent: Vec<usize> = (0..world_size).filter(|&q| seg.ctrl(q).pid.load(Ordering::Acquire) == 0).collect();
+                return Err(unlink_on_err(Error::Aborted(format!(
+                    "setting up shared-memory segment {}: ranks {absent:?} did not attach; rank {r} gave up \
+                     setting up the group (see its error)",
+                    path.display()
+                ))));
+            }
+            let gone: Vec<String> = (0..world_size)
+                .filter(|&r| seg.ctrl(r).pid.load(Ordering::Acquire) == 0)
+                .filter_map(|r| peer_pids.get(r).filter(|&&p| p != 0 && segment::pid_dead(p)).map(|p| format!("rank {r} (pid {p})")))
+                .collect();
+            if !gone.is_empty() {
+                sync::abort(&seg, rank);
+                return Err(unlink_on_err(Error::PeerDied(format!(
+                    "setting up shared-memory segment {}: {} exited before attaching",
+                    path.display(),
+                    gone.join(", ")
+                ))));
             }
             std::thread::sleep(pause);
             pause = (pause * 2).min(Duration::from_millis(5));

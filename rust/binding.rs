@@ -76,6 +76,13 @@ fn create_segment(py: Python<'_>, dir: &str, world_size: usize, slot_bytes: usiz
         .map_err(|e| to_py(e, None))
 }
 
+/// Whether the process `pid` has exited (gone, or a zombie); `False` for 0 and for
+/// values that are not process ids. The liveness test the core applies to peers.
+#[pyfunction]
+fn process_exited(pid: u32) -> bool {
+    segment::pid_dead(pid)
+}
+
 /// Size in bytes of a segment for `world_size` ranks with `slot_bytes` per chunk slot.
 #[pyfunction]
 fn segment_bytes(world_size: usize, slot_bytes: usize) -> PyResult<usize> {
@@ -85,9 +92,11 @@ fn segment_bytes(world_size: usize, slot_bytes: usize) -> PyResult<usize> {
 
 /// One rank's handle on a group's shared-memory segment (see `rust/algorithms.rs`).
 ///
-/// `Communicator(path, rank, world_size, timeout_s)` maps the segment at `path`, checks
-/// its header, waits until all `world_size` ranks attached (at most `timeout_s` seconds)
-/// and unlinks the file. Collectives take buffer addresses and element counts; `dtype` is
+/// `Communicator(path, rank, world_size, timeout_s, peer_pids=None)` maps the segment at
+/// `path`, checks its header, waits until all `world_size` ranks attached (at most
+/// `timeout_s` seconds; `RuntimeError` at once if a rank whose process id is in
+/// `peer_pids`, a list indexed by rank with 0 for unknown, exits before attaching) and
+/// unlinks the file. Collectives take buffer addresses and element counts; `dtype` is
 /// a torch dtype name, `op` torch's `RedOpType` number, `factor` PREMUL_SUM's factor,
 /// `timeout_s` overrides the communicator's timeout for one call.
 #[pyclass(name = "Communicator", module = "flagos_shm._core")]
@@ -180,7 +189,8 @@ impl Drop for PyCommunicator {
 #[pymethods]
 impl PyCommunicator {
     #[new]
-    fn new(py: Python<'_>, path: &str, rank: usize, world_size: usize, timeout_s: f64) -> PyResult<Self> {
+    #[pyo3(signature = (path, rank, world_size, timeout_s, peer_pids=None))]
+    fn new(py: Python<'_>, path: &str, rank: usize, world_size: usize, timeout_s: f64, peer_pids: Option<Vec<u32>>) -> PyResult<Self> {
         let timeout = duration("timeout_s", timeout_s)?;
         let p = path.to_owned();
         let pending: Pending = Arc::new(Mutex::new(None));
@@ -198,7 +208,7 @@ impl PyCommunicator {
             })
         };
         let mut comm = py
-            .detach(|| Communicator::attach_with(Path::new(&p), rank, world_size, timeout, Some(&hook)))
+            .detach(|| Communicator::attach_with(Path::new(&p), rank, world_size, timeout, Some(&hook), peer_pids.as_deref().unwrap_or(&[])))
             .map_err(|e| to_py(e, Some(&pending)))?;
         comm.set_interrupt(Some(Box::new(hook)));
         Ok(PyCommunicator {
@@ -369,6 +379,7 @@ impl PyCommunicator {
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(create_segment, m)?)?;
     m.add_function(wrap_pyfunction!(segment_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(process_exited, m)?)?;
     m.add_class::<PyCommunicator>()?;
     m.add("DEFAULT_SLOT_BYTES", DEFAULT_SLOT_BYTES)?;
     m.add("ONE_SHOT_MAX_BYTES", ONE_SHOT_MAX_BYTES)?;

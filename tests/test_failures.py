@@ -636,19 +636,20 @@ def private_shm_dir():
 
 
 def _init_victim(store: str, grank: int, size: int, shm_dir: str, point: str, out_dir: str) -> None:
-    """A rank killed during set-up: ``created`` (group rank 0, after creating the segment
-    file, before publishing its path), ``published`` (group rank 0, after publishing the
-    path, before attaching), ``rendezvous`` (another rank, after reading the path, before
-    attaching)."""
+    """A rank killed during set-up: ``created`` (group rank 0, after publishing its process
+    id and creating the segment file, before publishing the file's path), ``published``
+    (group rank 0, after publishing the path, before attaching), ``rendezvous`` (another
+    rank, after reading the path and the process ids, before attaching)."""
     from flagos_shm import _core, backend
 
     st = dist.FileStore(store, size)
     st.set_timeout(timedelta_s(INIT_TIMEOUT_S))
     with faults.env_override(FLAGOS_SHM_DIR=shm_dir):
         if point == "created":
+            backend._publish_pid(st, grank, size)
             _core.create_segment(shm_dir, size, int(_core.DEFAULT_SLOT_BYTES))
         else:
-            backend._rendezvous(st, grank, size)
+            backend._rendezvous(st, grank, size, INIT_TIMEOUT_S)
     _signal_self("KILL", out_dir, grank)
 
 
@@ -699,10 +700,11 @@ def rank_killed_during_init(tmp: str, shm_dir: str, point: str) -> dict:
 
 @pytest.mark.parametrize("point", ["rendezvous", "published", "created"])
 def test_rank_killed_during_set_up(worlds, tmp_path, private_shm_dir, point):
-    """A rank SIGKILLed while a group is being set up: the others raise RuntimeError (the
-    attach or store wait times out: INIT_TIMEOUT_S); the segment file is removed by them,
-    except when the creator dies between creating and publishing it, in which case the
-    next group created in that directory removes it. Nothing stays mapped."""
+    """A rank SIGKILLed while a group is being set up (after it published its process id):
+    the others raise RuntimeError naming it well before the timeout (INIT_TIMEOUT_S); the
+    segment file is removed by them, except when the creator dies between creating and
+    publishing it, in which case the next group created in that directory removes it.
+    Nothing stays mapped."""
     world = worlds(2)
     try:
         results = world.run(rank_killed_during_init, str(tmp_path), private_shm_dir, point, timeout=60)
@@ -711,15 +713,20 @@ def test_rank_killed_during_set_up(worlds, tmp_path, private_shm_dir, point):
     for rank, res in enumerate(results):
         err = res["error"]
         print(f"{point}: rank {rank} after {res['elapsed']:.2f} s: {err}")
-        # RuntimeError from the backend; DistStoreError (a RuntimeError) from the store wait
-        assert err is not None and err["type"] in ("RuntimeError", "DistStoreError"), (rank, res)
-        assert res["elapsed"] < INIT_TIMEOUT_S + 2.0, (rank, res)
+        assert err is not None and err["type"] == "RuntimeError", (rank, res)
+        # noticed through the victim's process id, not at the timeout
+        assert res["elapsed"] < INIT_TIMEOUT_S / 2, (rank, res)
+        victim = 0 if point in ("created", "published") else 2
+        assert f"init-{point}" in err["message"], (rank, res)
         if point != "created":  # the survivors attached and waited for the victim
-            missing = 0 if point == "published" else 2
-            assert f"missing ranks [{missing}]" in err["message"] and "init-" in err["message"], (rank, res)
+            # The rank that saw the victim exit names it; the others quote the missing rank
+            # and the rank that gave up.
+            assert (f"rank {victim} (pid" in err["message"] and "exited before attaching" in err["message"]) or \
+                f"ranks [{victim}] did not attach" in err["message"], (rank, res)
             assert res["left_after_failure"] == [], (rank, res)
         else:  # the only window that leaves a file behind, until the next group sweeps it
-            assert "init-created" in err["message"] and "waiting for group rank 0" in err["message"], (rank, res)
+            assert "waiting for group rank 0's segment path" in err["message"] and \
+                "group rank 0 (pid" in err["message"] and "exited" in err["message"], (rank, res)
             assert len(res["left_after_failure"]) == 1, (rank, res)
         assert res["next_ok"] and res["left_after_next"] == [] and res["maps"] == [], (rank, res)
     assert os.listdir(private_shm_dir) == []

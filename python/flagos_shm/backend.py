@@ -23,6 +23,7 @@ import contextlib
 import os
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, Optional, Sequence
 
@@ -91,16 +92,66 @@ def segment_config() -> tuple[str, int]:
     return directory, slot_bytes
 
 
-def _rendezvous(store: dist.Store, rank: int, world_size: int) -> str:
-    """Group rank 0 creates the segment; return its path on every rank.
+_POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.01  # store polling while a group is set up: 1 ms, backing off to 10 ms
 
-    The store is private to the group. A counter makes the key unique per group
-    incarnation, so a store reused after ``destroy_process_group`` never yields a stale
-    path. If creation fails, rank 0 publishes an error marker instead of a path and the
-    other ranks raise ``RuntimeError`` instead of waiting.
+
+def _store_wait(store: dist.Store, key: str, deadline: float, what: str, watch: Callable[[], dict]) -> None:
+    """Wait until ``key`` is in ``store``, polling, at most until ``deadline`` (monotonic).
+
+    ``watch()`` returns the ranks whose processes must stay alive meanwhile (rank -> pid);
+    one that exits fails the wait at once instead of at the deadline.
+
+    Raises:
+        RuntimeError: a watched rank exited, or the deadline passed (both name ``what``).
     """
+    pause = _POLL_FIRST_S
+    while not store.check([key]):
+        gone = [f"group rank {r} (pid {pid})" for r, pid in watch().items() if _core.process_exited(pid)]
+        if gone:
+            raise RuntimeError(f"{what}: {', '.join(gone)} exited")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"{what}: not there within the group's timeout")
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, _POLL_MAX_S)
+
+
+def _publish_pid(store: dist.Store, rank: int, world_size: int) -> str:
+    """Join the group's next incarnation in ``store``: publish this process's id under it
+    and return the incarnation's key prefix. A counter makes the keys unique per group
+    incarnation, so a store reused after ``destroy_process_group`` never yields stale ones."""
     incarnation = (store.add(_STORE_COUNTER, 1) - 1) // world_size
-    key = f"flagos_shm/segment/{incarnation}"
+    base = f"flagos_shm/{incarnation}"
+    store.set(f"{base}/pid/{rank}", str(os.getpid()))
+    return base
+
+
+def _known_pids(store: dist.Store, base: str, world_size: int) -> dict:
+    """rank -> process id for the ranks that have published theirs (no waiting)."""
+    return {r: int(store.get(f"{base}/pid/{r}")) for r in range(world_size) if store.check([f"{base}/pid/{r}"])}
+
+
+def _rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> tuple[str, list]:
+    """Group rank 0 creates the segment; return its path and the ranks' process ids
+    (a list indexed by rank, 0 where unknown) on every rank.
+
+    Every rank first publishes its process id in the group's store. Group rank 0 then
+    creates the segment and publishes its path; the others wait for the path, then for
+    every rank's process id (polling the store, ``_store_wait``), so that a rank whose
+    process exits while the group is set up is noticed within milliseconds rather than at
+    the timeout (here, and by the core's attach, which is given the ids). Only a rank
+    that dies before publishing its id is noticed at the timeout. If creation fails, rank
+    0 publishes an error marker instead of a path and the other ranks raise
+    ``RuntimeError`` instead of waiting.
+
+    Raises:
+        RuntimeError: rank 0 could not create the segment, a rank exited, or the timeout
+            (``timeout_s``, seconds) passed.
+        OSError, ValueError: on rank 0, from creating the segment.
+    """
+    deadline = time.monotonic() + timeout_s
+    base = _publish_pid(store, rank, world_size)
+    key = f"{base}/segment"
     if rank == 0:
         try:
             directory, slot_bytes = segment_config()
@@ -109,12 +160,26 @@ def _rendezvous(store: dist.Store, rank: int, world_size: int) -> str:
             store.set(key, f"{_STORE_ERROR}{type(exc).__name__}: {exc}")
             raise
         store.set(key, path)
-        return path
+        known = _known_pids(store, base, world_size)
+        return path, [known.get(r, 0) for r in range(world_size)]
+    creator: dict = {}
+
+    def watch_creator() -> dict:
+        if not creator and store.check([f"{base}/pid/0"]):
+            creator[0] = int(store.get(f"{base}/pid/0"))
+        return creator
+
+    _store_wait(store, key, deadline, "waiting for group rank 0's segment path in the store", watch_creator)
     value = store.get(key).decode()
     if value.startswith(_STORE_ERROR):
         raise RuntimeError(f"flagos_shm: group rank 0 could not create the shared-memory segment: "
                            f"{value[len(_STORE_ERROR):]}")
-    return value
+    pids: dict = {}
+    for r in range(world_size):
+        _store_wait(store, f"{base}/pid/{r}", deadline, f"waiting for group rank {r}'s process id in the store",
+                    lambda: pids)
+        pids[r] = int(store.get(f"{base}/pid/{r}"))
+    return value, [pids[r] for r in range(world_size)]
 
 
 def _with_context(exc: Exception, message: str) -> Exception:
@@ -264,12 +329,12 @@ class ProcessGroupShm(dist.ProcessGroup):
         self._async = os.environ.get(ENV_ASYNC, "1").strip() != "0"
         timeout_s = _timeout_seconds(timeout) or default_pg_timeout.total_seconds()
         try:
-            path = _rendezvous(store, rank, world_size)
-        except RuntimeError as exc:  # the store's wait timed out, or rank 0 failed to create
+            path, pids = _rendezvous(store, rank, world_size, timeout_s)
+        except RuntimeError as exc:  # a store wait timed out, a rank exited, or rank 0 failed to create
             raise _with_context(exc, f"flagos_shm group {group_name!r} (rank {rank}/{world_size}): "
-                                     f"waiting for group rank 0's segment path in the store: {exc}") from exc
+                                     f"setting up: {exc}") from exc
         try:
-            self._comm = _core.Communicator(path, rank, world_size, timeout_s)
+            self._comm = _core.Communicator(path, rank, world_size, timeout_s, pids)
         except (RuntimeError, ValueError) as exc:
             raise type(exc)(f"flagos_shm group {group_name!r} (rank {rank}/{world_size}): "
                             f"attaching to {path}: {exc}") from exc
