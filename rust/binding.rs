@@ -31,7 +31,11 @@ fn to_py(e: Error, pending: Option<&Pending>) -> PyErr {
     match e {
         Error::InvalidArgument(m) | Error::Mismatch(m) => PyValueError::new_err(m),
         Error::Unsupported(m) => PyTypeError::new_err(m),
-        Error::Io { .. } => PyOSError::new_err(e.to_string()),
+        // (errno, message): Python picks the OSError subclass (FileNotFoundError, ...).
+        Error::Io { ref source, .. } => match source.raw_os_error() {
+            Some(errno) => PyOSError::new_err((errno, e.to_string())),
+            None => PyOSError::new_err(e.to_string()),
+        },
         Error::Interrupted(_) => pending
             .and_then(|p| p.lock().ok().and_then(|mut g| g.take()))
             .unwrap_or_else(|| PyRuntimeError::new_err(e.to_string())),

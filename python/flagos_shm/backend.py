@@ -335,6 +335,10 @@ class ProcessGroupShm(dist.ProcessGroup):
                                      f"setting up: {exc}") from exc
         try:
             self._comm = _core.Communicator(path, rank, world_size, timeout_s, pids)
+        except FileNotFoundError as exc:  # the others removed it: they gave up before we attached
+            raise RuntimeError(f"flagos_shm group {group_name!r} (rank {rank}/{world_size}): attaching to {path}: "
+                               "the segment is gone: the other ranks gave up setting up the group before this "
+                               f"rank attached (a rank exited, or the timeout passed) ({exc})") from exc
         except (RuntimeError, ValueError) as exc:
             raise type(exc)(f"flagos_shm group {group_name!r} (rank {rank}/{world_size}): "
                             f"attaching to {path}: {exc}") from exc
