@@ -90,14 +90,33 @@ impl Shared {
     }
 
     /// Runs a claimed job: the task, then (with no lock held) its callback.
+    ///
+    /// The next job's collective may start as soon as this one's has finished (`busy` is
+    /// released first), but callbacks run in ticket order: this one waits until the
+    /// previous job's callback has returned. So a completed work implies that every work
+    /// issued before it on the group is complete too (results written back), as on a
+    /// single device stream, and `finished` is exact for [`Progress::help_until`].
     fn execute(&self, job: Job) {
         let result = self.with_comm(job.task);
         self.release();
+        {
+            let mut st = lock(&self.state);
+            while st.finished + 1 < job.ticket {
+                st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+            }
+        }
+        /// Records the callback as finished even if it panics, so later ones still run.
+        struct Finished<'a>(&'a Shared, u64);
+        impl Drop for Finished<'_> {
+            fn drop(&mut self) {
+                let mut st = lock(&self.0.state);
+                st.finished = st.finished.max(self.1);
+                drop(st);
+                self.0.changed.notify_all();
+            }
+        }
+        let _finished = Finished(self, job.ticket);
         (job.done)(result);
-        let mut st = lock(&self.state);
-        st.finished = st.finished.max(job.ticket);
-        drop(st);
-        self.changed.notify_all();
     }
 
     fn thread_main(&self) {

@@ -148,6 +148,11 @@ def rank_idle_thread(idle_s: float) -> dict:
     try:
         for _ in range(20):
             dist.all_reduce(torch.ones(1000), group=group, async_op=True).wait()
+        # The thread names itself when it first runs; when wait() ran every job on this
+        # thread, a busy machine may not have scheduled it yet.
+        deadline = time.monotonic() + 2.0
+        while not _progress_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
         before = _progress_threads()
         time.sleep(idle_s)
         after = _progress_threads()
