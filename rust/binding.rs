@@ -153,13 +153,16 @@ impl PyCommunicator {
             return self.run(py, timeout_s, f).map(|()| 0);
         };
         let t = timeout_s.map(|s| duration("timeout_s", s)).transpose()?;
+        // A job run by `wait_ticket` on a Python thread can be interrupted by Ctrl-C: the
+        // hook left Python's KeyboardInterrupt in `pending`; hand that to the callback.
+        let pending = Arc::clone(&self.pending);
         Ok(self.inner.submit(
             Box::new(move |comm| with_timeout(comm, t, f)),
             Box::new(move |result| {
                 Python::attach(|py| {
                     let arg = match result {
                         Ok(()) => py.None(),
-                        Err(e) => to_py(e, None).into_value(py).into_any(),
+                        Err(e) => to_py(e, Some(&pending)).into_value(py).into_any(),
                     };
                     if let Err(err) = callback.call1(py, (arg,)) {
                         err.write_unraisable(py, Some(callback.bind(py)));
@@ -353,8 +356,25 @@ impl PyCommunicator {
 
     /// Blocks (GIL released) until the call that returned `ticket` has completed and its
     /// `done` callback has returned; runs still-queued calls up to it on this thread.
-    fn wait_ticket(&self, py: Python<'_>, ticket: u64) {
-        py.detach(|| self.inner.help_until(ticket));
+    /// Raises the signal handler's exception (KeyboardInterrupt for Ctrl-C) when a signal
+    /// arrives while the call runs on the progress thread; the call itself goes on (the
+    /// caller aborts the group to stop it).
+    fn wait_ticket(&self, py: Python<'_>, ticket: u64) -> PyResult<()> {
+        let raised: Pending = Arc::new(Mutex::new(None));
+        let stop = || {
+            Python::attach(|py| match py.check_signals() {
+                Ok(()) => false,
+                Err(e) => {
+                    *raised.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                    true
+                }
+            })
+        };
+        if py.detach(|| self.inner.help_until_or(ticket, &stop)) {
+            return Ok(());
+        }
+        let err = raised.lock().unwrap_or_else(|p| p.into_inner()).take();
+        Err(err.unwrap_or_else(|| PyRuntimeError::new_err("wait_ticket: interrupted")))
     }
 
     /// Aborts the group: every rank's pending and later calls raise RuntimeError. Safe to

@@ -28,6 +28,9 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 
+/// How often [`Progress::help_until_or`] asks its `stop` hook while it waits.
+pub const STOP_CHECK: std::time::Duration = std::time::Duration::from_millis(20);
+
 /// A collective to run on the communicator.
 pub type Task = Box<dyn FnOnce(&mut Communicator) -> Result<()> + Send>;
 /// Receives a submitted task's result, on the progress thread.
@@ -35,6 +38,8 @@ pub type Done = Box<dyn FnOnce(Result<()>) + Send>;
 
 thread_local! {
     static ON_PROGRESS_THREAD: Cell<bool> = const { Cell::new(false) };
+    /// Set while this thread runs a completion callback.
+    static IN_CALLBACK: Cell<bool> = const { Cell::new(false) };
 }
 
 /// Whether the calling thread is a progress thread (e.g. to skip work that only makes
@@ -116,6 +121,15 @@ impl Shared {
             }
         }
         let _finished = Finished(self, job.ticket);
+        /// Marks this thread as running a callback (restored on unwind too).
+        struct InCallback;
+        impl Drop for InCallback {
+            fn drop(&mut self) {
+                IN_CALLBACK.with(|c| c.set(false));
+            }
+        }
+        IN_CALLBACK.with(|c| c.set(true));
+        let _in_callback = InCallback;
         (job.done)(result);
     }
 
@@ -160,13 +174,17 @@ impl Progress {
         }
     }
 
-    /// Runs `f` on the calling thread once every previously submitted job has finished.
+    /// Runs `f` on the calling thread once every previously submitted job has finished,
+    /// its completion callback included (so a synchronous call that returned implies the
+    /// asynchronous ones issued before it are complete). Called from a completion callback,
+    /// it does not wait for callbacks (its own has not returned yet).
     ///
     /// Errors: `Aborted` if the communicator is closed; otherwise whatever `f` returns.
     pub fn run<R>(&self, f: impl FnOnce(&mut Communicator) -> Result<R>) -> Result<R> {
+        let in_callback = IN_CALLBACK.with(|c| c.get());
         {
             let mut st = lock(&self.shared.state);
-            while st.busy || !st.queue.is_empty() {
+            while st.busy || !st.queue.is_empty() || (!in_callback && st.finished + 1 < st.next_ticket) {
                 st = self.shared.changed.wait(st).unwrap_or_else(|p| p.into_inner());
             }
             st.busy = true;
@@ -202,18 +220,33 @@ impl Progress {
     /// here, on the calling thread, in issue order: a caller that waits right after
     /// submitting (`async_op=True` then `wait()`) does not pay for a thread switch.
     pub fn help_until(&self, ticket: u64) {
+        self.help_until_or(ticket, &|| false);
+    }
+
+    /// [`Self::help_until`], giving up when `stop()` returns `true` (checked every
+    /// [`STOP_CHECK`] while the job runs elsewhere, with no lock held; e.g. Ctrl-C).
+    /// Returns `false` when it gave up; the job itself goes on.
+    pub fn help_until_or(&self, ticket: u64, stop: &dyn Fn() -> bool) -> bool {
         loop {
             let job = {
                 let mut st = lock(&self.shared.state);
                 loop {
                     if st.finished >= ticket {
-                        return;
+                        return true;
                     }
                     if !st.busy && st.queue.front().is_some_and(|j| j.ticket <= ticket) {
                         st.busy = true;
                         break st.queue.pop_front().expect("front checked");
                     }
-                    st = self.shared.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+                    let (guard, waited) = self.shared.changed.wait_timeout(st, STOP_CHECK).unwrap_or_else(|p| p.into_inner());
+                    st = guard;
+                    if waited.timed_out() {
+                        drop(st);
+                        if stop() {
+                            return false;
+                        }
+                        st = lock(&self.shared.state);
+                    }
                 }
             };
             self.shared.execute(job);

@@ -98,6 +98,62 @@ def rank_async_mismatch() -> dict:
     return out
 
 
+def rank_sync_after_async(rounds: int) -> dict:
+    """An async allreduce of a non-contiguous tensor (its result is written back by the
+    completion callback), then a synchronous allreduce on the same group: when the
+    synchronous call returns, the async work must be complete with its values in place."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    incomplete, wrong = 0, 0
+    for i in range(rounds):
+        base = torch.full((64, 2), float(rank + i))
+        t = base[:, 0]  # stride 2: staged through a copy
+        work = dist.all_reduce(t, async_op=True)
+        dist.all_reduce(torch.ones(1))
+        incomplete += not work.is_completed()
+        wrong += not torch.equal(t, torch.full((64,), float(sum(q + i for q in range(n)))))
+        work.wait()
+    return {"incomplete": incomplete, "wrong": wrong}
+
+
+def rank_ctrl_c_in_async_wait() -> dict:
+    """Rank 0 waits on an async allreduce that rank 1 joins late; SIGINT arrives while the
+    job runs on rank 0's waiting thread (Work.wait helps): KeyboardInterrupt, group aborted."""
+    import signal
+    import threading
+
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    out = {}
+    try:
+        t = torch.ones(8)
+        if rank == 0:
+            previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # see test_failures
+            timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+            try:
+                work = dist.all_reduce(t, group=group, async_op=True)
+                timer.start()
+                try:
+                    work.wait()
+                    out["wait"] = "no error"
+                except KeyboardInterrupt:
+                    out["wait"] = "KeyboardInterrupt"
+                except Exception as exc:  # noqa: BLE001  reported
+                    out["wait"] = f"{type(exc).__name__}: {exc}"
+                timer.join()
+            finally:
+                signal.signal(signal.SIGINT, previous)
+            out["untouched"] = torch.equal(t, torch.ones(8))
+        dist.barrier()  # default group: rank 1 joins only now, on an aborted group
+        try:
+            dist.all_reduce(t, group=group)
+            out["later"] = "no error"
+        except RuntimeError as exc:
+            out["later"] = f"RuntimeError: {exc}"
+    finally:
+        dist.destroy_process_group(group)
+    return out
+
+
 def rank_wait_timeout() -> dict:
     """Work.wait(timeout) on a collective a peer joins too late: RuntimeError, group aborted."""
     rank = dist.get_rank()
@@ -241,6 +297,19 @@ def test_async_mismatch_reaches_wait_and_future(worlds):
         assert res["future"] != "no error", res
         assert res["untouched"], res
         assert res["after"] == [1.0] * 3, res
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sync_call_completes_earlier_async_works(worlds, world_size):
+    for rank, res in enumerate(worlds(world_size).run(rank_sync_after_async, 40)):
+        assert res == {"incomplete": 0, "wrong": 0}, (rank, res)
+
+
+def test_ctrl_c_in_async_wait_raises_keyboard_interrupt(worlds):
+    r0, r1 = worlds(2).run(rank_ctrl_c_in_async_wait)
+    assert r0["wait"] == "KeyboardInterrupt" and r0["untouched"], r0
+    for res in (r0, r1):
+        assert res["later"].startswith("RuntimeError") and "aborted" in res["later"], res
 
 
 def test_wait_timeout_aborts_the_group(worlds):
