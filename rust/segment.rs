@@ -356,6 +356,15 @@ pub fn create(dir: &Path, world_size: usize, slot_bytes: usize) -> Result<PathBu
     remove_stale(dir);
     let total = segment_bytes(world_size, slot_bytes);
     let path = dir.join(format!("{NAME_PREFIX}{}", random_hex()?));
+    // First choice: build the segment in an unnamed file (O_TMPFILE) and give it its name
+    // only once it is complete, so a creator killed at any point leaves nothing behind.
+    if let Some(file) = open_unnamed(dir) {
+        fill(&file, dir, &path, world_size, slot_bytes, total)?;
+        if link_unnamed(&file, &path).is_ok() {
+            return Ok(path);
+        }
+        // Linking is refused here (no /proc, say): fall back to a named file.
+    }
     let file = OpenOptions::new()
         .read(true)
         .write(true)
@@ -364,15 +373,43 @@ pub fn create(dir: &Path, world_size: usize, slot_bytes: usize) -> Result<PathBu
         .custom_flags(libc::O_CLOEXEC)
         .open(&path)
         .map_err(|e| Error::io(format!("cannot create shared-memory segment {}", path.display()), e))?;
-    let cleanup = |e: Error| {
+    // A creator killed between here and the header write leaves a file that
+    // `remove_stale` cannot identify; only file systems without O_TMPFILE take this path.
+    fill(&file, dir, &path, world_size, slot_bytes, total).inspect_err(|_| {
         let _ = std::fs::remove_file(&path);
-        e
-    };
+    })?;
+    Ok(path)
+}
+
+/// An unnamed file in `dir` (`O_TMPFILE`, mode 0600), or `None` where the file system or
+/// kernel does not offer them.
+fn open_unnamed(dir: &Path) -> Option<File> {
+    OpenOptions::new().read(true).write(true).mode(0o600).custom_flags(libc::O_TMPFILE | libc::O_CLOEXEC).open(dir).ok()
+}
+
+/// Gives the unnamed `file` the name `path` (`linkat` through `/proc/self/fd`, which
+/// needs no privilege); fails if the name exists.
+fn link_unnamed(file: &File, path: &Path) -> io::Result<()> {
+    use std::os::unix::ffi::OsStrExt;
+    let from = std::ffi::CString::new(format!("/proc/self/fd/{}", file.as_raw_fd())).map_err(io::Error::other)?;
+    let to = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(io::Error::other)?;
+    // SAFETY: both are valid NUL-terminated paths that outlive the call.
+    let rc = unsafe { libc::linkat(libc::AT_FDCWD, from.as_ptr(), libc::AT_FDCWD, to.as_ptr(), libc::AT_SYMLINK_FOLLOW) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Reserves `total` bytes for `file` (to become the segment `path` in `dir`) and writes
+/// the header. Errors name `path`; a full file system names the bytes free in `dir`.
+fn fill(file: &File, dir: &Path, path: &Path, world_size: usize, slot_bytes: usize, total: usize) -> Result<()> {
     // SAFETY: plain syscall on an fd we own.
     let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, total as libc::off_t) };
     if rc != 0 {
         let free = free_bytes(dir).map_or("unknown".to_string(), |f| f.to_string());
-        return Err(cleanup(Error::io(
+        return Err(Error::io(
             format!(
                 "cannot reserve {total} bytes for shared-memory segment {} ({free} bytes free in {}; \
                  free space there, or set FLAGOS_SHM_DIR to another tmpfs or FLAGOS_SHM_SLOT_BYTES lower)",
@@ -380,13 +417,10 @@ pub fn create(dir: &Path, world_size: usize, slot_bytes: usize) -> Result<PathBu
                 dir.display()
             ),
             io::Error::from_raw_os_error(rc),
-        )));
+        ));
     }
-    let map = MmapOptions::new()
-        .len(total)
-        .map_raw(&file)
-        .map_err(|e| cleanup(Error::io(format!("cannot map {}", path.display()), e)))?;
-    // SAFETY: the mapping is `total` bytes, page aligned, and nobody else knows the path
+    let map = MmapOptions::new().len(total).map_raw(file).map_err(|e| Error::io(format!("cannot map {}", path.display()), e))?;
+    // SAFETY: the mapping is `total` bytes, page aligned, and nobody else knows the file
     // yet, so this plain write cannot race.
     unsafe {
         (map.as_mut_ptr() as *mut Header).write(Header {
@@ -399,7 +433,7 @@ pub fn create(dir: &Path, world_size: usize, slot_bytes: usize) -> Result<PathBu
             creator_pid: std::process::id(),
         });
     }
-    Ok(path)
+    Ok(())
 }
 
 /// A mapped, validated segment.

@@ -732,6 +732,37 @@ def test_rank_killed_during_set_up(worlds, tmp_path, private_shm_dir, point):
     assert os.listdir(private_shm_dir) == []
 
 
+def test_creator_killed_while_creating_leaves_nothing_unsweepable(private_shm_dir):
+    """A process creating segments in a loop, SIGKILLed at random moments (0-3 ms in, 30
+    times): the directory never holds a file the next creation cannot identify and sweep
+    (segments are built unnamed and named only once complete); after one more creation
+    and its removal, the directory is empty."""
+    import random
+    import signal
+    import subprocess
+    import sys
+
+    from flagos_shm import _core
+
+    code = ("import sys\nfrom flagos_shm import _core\n"
+            "while True:\n    _core.create_segment(sys.argv[1], 4, 1 << 20)\n")
+    rng = random.Random(5)
+    for _ in range(30):
+        proc = subprocess.Popen([sys.executable, "-c", code, private_shm_dir])
+        try:
+            deadline = time.monotonic() + 30
+            while not os.listdir(private_shm_dir):  # imported and creating
+                assert proc.poll() is None and time.monotonic() < deadline, "the creator did not start"
+                time.sleep(0.002)
+            time.sleep(rng.uniform(0, 0.003))
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(timeout=30)
+    path = _core.create_segment(private_shm_dir, 2, 4096)  # sweeps every dead creator's file
+    assert os.listdir(private_shm_dir) == [os.path.basename(path)], os.listdir(private_shm_dir)
+    os.remove(path)
+
+
 CYCLES = 200
 
 
