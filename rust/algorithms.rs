@@ -851,13 +851,32 @@ impl Communicator {
 
     /// Turns a failure in the middle of a single-copy collective into an aborted group:
     /// the peers are waiting at the next step and must not wait in vain.
+    ///
+    /// A peer that saw the original failure (say, a rank that died) aborts the group and
+    /// may exit before this rank's read from it ends, so the read fails naming that peer:
+    /// the message then leads with the rank that aborted the group and lists every rank
+    /// whose process is gone.
     fn fail_midway<T>(&mut self, what: Kind, r: Result<T>) -> Result<T> {
         r.map_err(|e| {
+            let first = sync::aborted_by(&self.seg).filter(|&q| q != self.rank);
             sync::abort(&self.seg, self.rank);
-            let msg = format!("{} (rank {}): single-copy transfer failed: {e}", what.name(), self.rank);
+            let head = format!("{} #{} (rank {}, step {})", what.name(), self.seq.saturating_sub(1), self.rank, self.step + 1);
+            let gone: Vec<String> = (0..self.n)
+                .filter_map(|q| {
+                    let pid = self.seg.ctrl(q).pid.load(Ordering::Relaxed);
+                    segment::pid_dead(pid).then(|| format!("rank {q} (pid {pid})"))
+                })
+                .collect();
+            let gone = if gone.is_empty() { String::new() } else { format!("; exited: {}", gone.join(", ")) };
+            let msg = match first {
+                Some(q) => format!(
+                    "{head}: the group was aborted by rank {q} (see its error), then a single-copy transfer failed: {e}{gone}"
+                ),
+                None => format!("{head}: single-copy transfer failed: {e}{gone}"),
+            };
             self.broken = Some(msg.clone());
-            match e {
-                Error::PeerDied(_) => Error::PeerDied(msg),
+            match (first, e) {
+                (None, Error::PeerDied(_)) => Error::PeerDied(msg),
                 _ => Error::Aborted(msg),
             }
         })
