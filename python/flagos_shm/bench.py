@@ -36,8 +36,8 @@ What it measures, in the same rank processes and the same run:
   elements; at least one element per rank); the tables show the S actually used.
 * ratio = other backend's median time / flagos_shm's (> 1: flagos_shm is faster).
 * Once per run: the time of one single-threaded ``torch.Tensor.copy_`` of S bytes on CPU
-  on rank 0 (the others wait), for every S measured: the physical reference (the issue's
-  target is a large allreduce within 3 copies); and flagos_shm's per-call overhead at 4 B:
+  on rank 0 (the others wait), for every S measured: the physical reference (our target
+  is a large allreduce within 3 copies); and flagos_shm's per-call overhead at 4 B:
   ``dist.all_reduce`` against ``ProcessGroupShm.allreduce(...).wait()`` against the bare
   core call ``Communicator.allreduce`` on the same process group.
 * MPI (``--backends ...,mpi``, in the default list): when ``mpi4py`` is importable and an
@@ -137,9 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ops", default=",".join(OPS),
                    help=f"comma-separated subset of {','.join(OPS)} (default: all)")
     p.add_argument("--sizes", default=None,
-                   help="comma-separated sizes S in bytes (nccl-tests' S: see --help of the "
-                        "module), binary units allowed: 4,1K,64KiB,16M; default 4 B to 64 MiB "
-                        "in powers of 4")
+                   help="comma-separated sizes S in bytes, as nccl-tests count them (the "
+                        "buffer for allreduce and broadcast, the whole output for allgather, the "
+                        "whole input for reduce_scatter, one rank's buffer for alltoall); binary "
+                        "units allowed: 4,1K,64KiB,16M; default 4 B to 64 MiB in powers of 4")
     p.add_argument("--dtypes", default="float32",
                    help=f"comma-separated subset of {','.join(DTYPES)} (default float32)")
     p.add_argument("--backends", default=",".join(ALL_BACKENDS),
@@ -813,7 +814,7 @@ def format_tables(doc: dict) -> str:
               and r["op"] == "allreduce" and r["dtype"] == dtype0}
         lines.append("\nsingle-thread copy on rank 0 (torch.Tensor.copy_ of S bytes, CPU, 1 thread; "
                      "median)" + (f" and flagos_shm allreduce ({dtype0}) time / copy time; the "
-                                  "issue's target for large S is <= 3" if ar else ""))
+                                  "target for large S is at most 3" if ar else ""))
         lines.append(f"{'size S':>10} {'copy us':>10} {'GB/s':>7}" + (f" | {'allreduce/copy':>14}" if ar else ""))
         for c in copy:
             line = f"{human(c['size_bytes']):>10} {c['time_us_median']:>10.1f} {_fmt_bw(c['GBps']):>7}"
