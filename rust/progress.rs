@@ -179,11 +179,23 @@ impl Progress {
     /// asynchronous ones issued before it are complete). Called from a completion callback,
     /// it does not wait for callbacks (its own has not returned yet).
     ///
-    /// Errors: `Aborted` if the communicator is closed; otherwise whatever `f` returns.
+    /// Errors: `Aborted` if the communicator is closed; `Aborted` at once, without joining
+    /// the group's sequence, when called from a completion callback on the progress thread
+    /// while jobs are queued (they could only run after the callback returns: waiting
+    /// would never end; peers already in the collective then reach their timeout);
+    /// otherwise whatever `f` returns.
     pub fn run<R>(&self, f: impl FnOnce(&mut Communicator) -> Result<R>) -> Result<R> {
         let in_callback = IN_CALLBACK.with(|c| c.get());
         {
             let mut st = lock(&self.shared.state);
+            if in_callback && on_progress_thread() && !st.queue.is_empty() {
+                return Err(Error::Aborted(format!(
+                    "a synchronous collective issued from a completion callback (Work.get_future().then) \
+                     would wait for the {} asynchronous call(s) queued before it, which run only after \
+                     the callback returns; issue it from another thread",
+                    st.queue.len()
+                )));
+            }
             while st.busy || !st.queue.is_empty() || (!in_callback && st.finished + 1 < st.next_ticket) {
                 st = self.shared.changed.wait(st).unwrap_or_else(|p| p.into_inner());
             }

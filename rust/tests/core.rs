@@ -634,3 +634,54 @@ fn progress_close_after_abort_fails_queued_jobs() {
     assert_eq!(*errors2.lock().unwrap(), Some(true));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// A completion callback on the progress thread that issues a synchronous collective
+/// while a later job is queued gets an error at once (waiting could never end: the queued
+/// job runs only after the callback); the queued job then runs normally on both ranks.
+#[test]
+fn progress_sync_call_from_a_callback_with_jobs_queued_fails_fast() {
+    use flagos_shm::progress::Progress;
+    use std::sync::Mutex;
+    let dir = tmpdir();
+    let path = segment::create(&dir, 2, SLOT).unwrap();
+    let p = path.clone();
+    let peer = std::thread::spawn(move || {
+        let prog = Progress::new(Communicator::attach(&p, 1, 2, Duration::from_secs(20)).unwrap());
+        std::thread::sleep(Duration::from_millis(200)); // rank 0's second job is queued by now
+        prog.run(|c| c.barrier()).unwrap();
+        prog.run(|c| c.barrier()).unwrap();
+        prog.close();
+    });
+    let prog = Arc::new(Progress::new(Communicator::attach(&path, 0, 2, Duration::from_secs(20)).unwrap()));
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (p2, s2) = (Arc::clone(&prog), Arc::clone(&seen));
+    let first = prog.submit(
+        Box::new(|c| c.barrier()),
+        Box::new(move |res| {
+            res.unwrap();
+            let t = std::time::Instant::now();
+            let r = p2.run(|c| c.barrier());
+            s2.lock().unwrap().push((r.map_err(|e| e.to_string()), t.elapsed()));
+        }),
+    );
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let d2 = Arc::clone(&done);
+    let second = prog.submit(Box::new(|c| c.barrier()), Box::new(move |res| {
+        res.unwrap();
+        d2.store(true, std::sync::atomic::Ordering::SeqCst);
+    }));
+    assert!(first < second);
+    // Not help_until: that would run the first job (and its callback) on this thread.
+    let t = std::time::Instant::now();
+    while !done.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(t.elapsed() < Duration::from_secs(20), "the queued job did not complete");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    peer.join().unwrap();
+    let seen = seen.lock().unwrap();
+    let (r, took) = &seen[0];
+    assert!(r.as_ref().is_err_and(|e| e.contains("completion callback")), "{r:?}");
+    assert!(*took < Duration::from_secs(1), "{took:?}");
+    prog.close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
