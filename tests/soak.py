@@ -191,8 +191,14 @@ class Driver:
                 continue
             if not w.conn.poll(max(0.0, deadline - time.monotonic())):
                 raise RuntimeError(f"worker {w.slot} (pid {w.pid}) did not start within {START_TIMEOUT_S} s")
-            tag, _ = pickle.loads(w.conn.recv_bytes())
-            assert tag == "ready", tag
+            try:
+                tag, _ = pickle.loads(w.conn.recv_bytes())
+            except (EOFError, OSError):
+                # It died before saying it was ready (not a kill of ours: those come later).
+                raise RuntimeError(f"worker {w.slot} (pid {w.pid}) exited while starting "
+                                   f"(exit status {w.proc.poll()}; see {w.log.name})") from None
+            if tag != "ready":
+                raise RuntimeError(f"worker {w.slot} (pid {w.pid}) sent {tag!r} instead of 'ready'")
             w.ready = True
 
     # ---- one round ------------------------------------------------------------------------
