@@ -37,6 +37,7 @@ The exit status is 0 only if the last five are all zero.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -71,6 +72,9 @@ def worker_main(fd: int) -> int:
     except Exception:  # noqa: BLE001
         pass
     sys.path.insert(0, HERE)
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver asks for stacks of a hung worker
     import torch
 
     torch.set_num_threads(1)
@@ -184,6 +188,23 @@ class Driver:
         self.all_pids.append(w.pid)
         return w
 
+    def dump_stacks(self, w: Worker, r: int) -> str:
+        """Python stacks (faulthandler, SIGUSR1) and native ones (gdb, when installed) of a
+        hung worker, with its log, into a file kept after the run; returns its path."""
+        path = os.path.join(tempfile.gettempdir(), f"flagos_shm_soak_hang_r{r}_w{w.slot}_{w.pid}.txt")
+        with contextlib.suppress(OSError):
+            os.kill(w.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        with open(path, "w") as out:
+            if shutil.which("gdb"):
+                with contextlib.suppress(Exception):
+                    out.write(subprocess.run(["gdb", "-p", str(w.pid), "-batch", "-ex", "thread apply all bt"],
+                                             capture_output=True, text=True, timeout=120).stdout)
+            w.log.flush()
+            with contextlib.suppress(OSError), open(w.log.name, errors="replace") as log:
+                out.write("\n==== worker log ====\n" + log.read()[-200_000:])
+        return path
+
     def wait_ready(self, workers: list) -> None:
         deadline = time.monotonic() + START_TIMEOUT_S
         for w in workers:
@@ -261,7 +282,8 @@ class Driver:
             if not ready:
                 for w in pending.values():
                     self.stats["hung_workers"] += 1
-                    self.examples["unexpected"].append(f"round {r}: worker {w.slot} hung")
+                    dump = self.dump_stacks(w, r)
+                    self.examples["unexpected"].append(f"round {r}: worker {w.slot} hung (stacks: {dump})")
                     w.kill()
                     self.workers[w.slot] = self.start(w.slot)
                 break
