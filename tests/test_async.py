@@ -143,15 +143,21 @@ def rank_ctrl_c_in_async_wait() -> dict:
             finally:
                 signal.signal(signal.SIGINT, previous)
             out["untouched"] = torch.equal(t, torch.ones(8))
-        dist.barrier()  # default group: rank 1 joins only now, on an aborted group
-        try:
-            dist.all_reduce(t, group=group)
-            out["later"] = "no error"
-        except RuntimeError as exc:
-            out["later"] = f"RuntimeError: {exc}"
+        out["later"] = _later_call(group, t)
     finally:
         dist.destroy_process_group(group)
     return out
+
+
+def _later_call(group, t) -> str:
+    """Line the ranks up on the default group (rank 1 issues its call only now, on a group
+    rank 0 aborted), then all_reduce on ``group``: what it raised."""
+    dist.barrier()
+    try:
+        dist.all_reduce(t, group=group)
+        return "no error"
+    except RuntimeError as exc:
+        return f"RuntimeError: {exc}"
 
 
 def rank_wait_timeout() -> dict:
@@ -170,12 +176,7 @@ def rank_wait_timeout() -> dict:
             except RuntimeError as exc:
                 out["wait"] = f"RuntimeError: {exc}"
             out["waited_s"] = time.perf_counter() - t0
-        dist.barrier()  # default group: rank 1 issues its call only now, on an aborted group
-        try:
-            dist.all_reduce(t, group=group)
-            out["later"] = "no error"
-        except RuntimeError as exc:
-            out["later"] = f"RuntimeError: {exc}"
+        out["later"] = _later_call(group, t)
     finally:
         dist.destroy_process_group(group)
     return out
