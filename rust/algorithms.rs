@@ -90,7 +90,8 @@ pub enum Kind {
 }
 
 impl Kind {
-    const ALL: [Kind; 9] = [
+    /// Every kind, in code order.
+    pub const ALL: [Kind; 9] = [
         Kind::Barrier,
         Kind::Allreduce,
         Kind::Broadcast,

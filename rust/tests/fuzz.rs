@@ -271,23 +271,11 @@ fn random_header_files_open_only_when_valid() {
 
 // ----- (b) descriptors ----------------------------------------------------------------
 
-const KINDS: [Kind; 9] = [
-    Kind::Barrier,
-    Kind::Allreduce,
-    Kind::Broadcast,
-    Kind::Reduce,
-    Kind::Allgather,
-    Kind::ReduceScatter,
-    Kind::Gather,
-    Kind::Scatter,
-    Kind::Alltoall,
-];
-
 /// A descriptor a well-behaved rank of a `world`-rank group could publish.
 fn local_desc(world: usize) -> impl Strategy<Value = Desc> {
-    (0..KINDS.len(), 0..DType::ALL.len(), 0..ReduceOp::ALL.len(), any::<u64>(), 0..world as u64, any::<u64>(), any::<u64>()).prop_map(
+    (0..Kind::ALL.len(), 0..DType::ALL.len(), 0..ReduceOp::ALL.len(), any::<u64>(), 0..world as u64, any::<u64>(), any::<u64>()).prop_map(
         |(k, d, o, count, root, seq, factor)| Desc {
-            kind: KINDS[k] as u8,
+            kind: Kind::ALL[k] as u8,
             dtype: DType::ALL[d] as u32,
             op: ReduceOp::ALL[o] as u32,
             flags: 0,
