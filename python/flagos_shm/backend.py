@@ -122,13 +122,19 @@ def _publish_pid(store: dist.Store, rank: int, world_size: int) -> str:
     incarnation, so a store reused after ``destroy_process_group`` never yields stale ones."""
     incarnation = (store.add(_STORE_COUNTER, 1) - 1) // world_size
     base = f"flagos_shm/{incarnation}"
-    store.set(f"{base}/pid/{rank}", str(os.getpid()))
+    store.set(_pid_key(base, rank), str(os.getpid()))
     return base
 
 
-def _known_pids(store: dist.Store, base: str, world_size: int) -> dict:
-    """rank -> process id for the ranks that have published theirs (no waiting)."""
-    return {r: int(store.get(f"{base}/pid/{r}")) for r in range(world_size) if store.check([f"{base}/pid/{r}"])}
+def _pid_key(base: str, rank: int) -> str:
+    """The store key under which ``rank`` of incarnation ``base`` publishes its process id."""
+    return f"{base}/pid/{rank}"
+
+
+def _published_pid(store: dist.Store, base: str, rank: int) -> int:
+    """``rank``'s published process id, or 0 if it has not published it yet (no waiting)."""
+    key = _pid_key(base, rank)
+    return int(store.get(key)) if store.check([key]) else 0
 
 
 def _rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> tuple[str, list]:
@@ -160,13 +166,12 @@ def _rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float)
             store.set(key, f"{_STORE_ERROR}{type(exc).__name__}: {exc}")
             raise
         store.set(key, path)
-        known = _known_pids(store, base, world_size)
-        return path, [known.get(r, 0) for r in range(world_size)]
+        return path, [_published_pid(store, base, r) for r in range(world_size)]
     creator: dict = {}
 
     def watch_creator() -> dict:
-        if not creator and store.check([f"{base}/pid/0"]):
-            creator[0] = int(store.get(f"{base}/pid/0"))
+        if not creator and (pid := _published_pid(store, base, 0)):
+            creator[0] = pid
         return creator
 
     _store_wait(store, key, deadline, "waiting for group rank 0's segment path in the store", watch_creator)
@@ -176,9 +181,9 @@ def _rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float)
                            f"{value[len(_STORE_ERROR):]}")
     pids: dict = {}
     for r in range(world_size):
-        _store_wait(store, f"{base}/pid/{r}", deadline, f"waiting for group rank {r}'s process id in the store",
+        _store_wait(store, _pid_key(base, r), deadline, f"waiting for group rank {r}'s process id in the store",
                     lambda: pids)
-        pids[r] = int(store.get(f"{base}/pid/{r}"))
+        pids[r] = int(store.get(_pid_key(base, r)))
     return value, [pids[r] for r in range(world_size)]
 
 
