@@ -29,6 +29,13 @@ def _only_flagos_shm(backend):
 
 # ---- rank functions -------------------------------------------------------------------------
 
+def finished(work) -> bool:
+    """Whether ``work`` has completed, asked through its future: on the per-device route
+    (torch >= 2.14) ``dist.*`` hands back torch's holder of our work, which forwards only
+    ``wait()`` and ``get_future()`` to it, so ``is_completed()`` there always says False."""
+    return work.get_future().done()
+
+
 def rank_returns_early(delay_s: float) -> dict:
     """Rank 0 issues an async allreduce while rank 1 is still asleep."""
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -39,12 +46,12 @@ def rank_returns_early(delay_s: float) -> dict:
     t0 = time.perf_counter()
     work = dist.all_reduce(t, async_op=True)
     issue_s = time.perf_counter() - t0
-    completed_at_issue = work.is_completed()
+    completed_at_issue = finished(work)
     fut = work.get_future()
     work.wait()
     value = fut.wait()[0]
     expected = float(sum(range(1, n + 1)))
-    return {"issue_s": issue_s, "completed_at_issue": completed_at_issue, "done": work.is_completed(),
+    return {"issue_s": issue_s, "completed_at_issue": completed_at_issue, "done": finished(work),
             "ok": bool(torch.all(t == expected)) and value is t or torch.equal(value, t)}
 
 
@@ -109,7 +116,7 @@ def rank_sync_after_async(rounds: int) -> dict:
         t = base[:, 0]  # stride 2: staged through a copy
         work = dist.all_reduce(t, async_op=True)
         dist.all_reduce(torch.ones(1))
-        incomplete += not work.is_completed()
+        incomplete += not finished(work)
         wrong += not torch.equal(t, torch.full((64,), float(sum(q + i for q in range(n)))))
         work.wait()
     return {"incomplete": incomplete, "wrong": wrong}

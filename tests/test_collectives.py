@@ -920,7 +920,9 @@ def test_collective_single_copy(worlds, backend, collective, world_size):
 
 
 def _single_copy_min_bytes():
-    return dist.distributed_c10d._get_default_group()._comm.single_copy_min_bytes
+    import flagos_shm
+
+    return flagos_shm.backend.shm_part(dist.distributed_c10d._get_default_group())._comm.single_copy_min_bytes
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)

@@ -640,16 +640,17 @@ def _init_victim(store: str, grank: int, size: int, shm_dir: str, point: str, ou
     id and creating the segment file, before publishing the file's path), ``published``
     (group rank 0, after publishing the path, before attaching), ``rendezvous`` (another
     rank, after reading the path and the process ids, before attaching)."""
-    from flagos_shm import _core, backend
+    from flagos_shm import _core
+    from flagos_shm.backend import rendezvous
 
     st = dist.FileStore(store, size)
     st.set_timeout(timedelta_s(INIT_TIMEOUT_S))
     with faults.env_override(FLAGOS_SHM_DIR=shm_dir):
         if point == "created":
-            backend._publish_pid(st, grank, size)
+            rendezvous.publish_pid(st, grank, size)
             _core.create_segment(shm_dir, size, int(_core.DEFAULT_SLOT_BYTES))
         else:
-            backend._rendezvous(st, grank, size, INIT_TIMEOUT_S)
+            rendezvous.rendezvous(st, grank, size, INIT_TIMEOUT_S)
     _signal_self("KILL", out_dir, grank)
 
 

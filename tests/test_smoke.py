@@ -16,8 +16,12 @@ import tempfile
 import pytest
 import torch
 
+import flagos_shm
+
 WORLD_SIZE = 2
 TIMEOUT_S = 120
+# The flagos_shm object behind a group: per-device on torch >= 2.14, the whole group before.
+EXPECTED_TYPE = "ShmBackend" if flagos_shm.uses_backend_route() else "ProcessGroupShm"
 
 WORKER = r"""
 import json, sys
@@ -31,7 +35,8 @@ rank, world_size, store_path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("flagos_shm", store=dist.FileStore(store_path, world_size), rank=rank,
                         world_size=world_size, timeout=timedelta(seconds=60))
 group = dist.group.WORLD
-report = {"backend": dist.get_backend(), "type": type(group).__name__, "path": group._comm.path}
+part = flagos_shm.backend.shm_part(group)
+report = {"backend": dist.get_backend(), "type": type(part).__name__, "path": part._comm.path}
 
 t = torch.arange(6, dtype=torch.float32) * (rank + 1)
 dist.all_reduce(t)
@@ -94,7 +99,7 @@ def test_two_ranks_values_and_cleanup(tmp_path):
     expected_broadcast = torch.arange(5, dtype=torch.float64) + 0.5
     paths = set()
     for rank, rep in enumerate(reports):
-        assert rep["backend"] == "flagos_shm" and rep["type"] == "ProcessGroupShm", rep
+        assert rep["backend"] == "flagos_shm" and rep["type"] == EXPECTED_TYPE, rep
         assert torch.equal(torch.tensor(rep["all_reduce"], dtype=torch.float32), expected_all_reduce), (rank, rep)
         assert torch.equal(torch.tensor(rep["all_gather_into_tensor"]), expected_gather), (rank, rep)
         assert torch.equal(torch.tensor(rep["broadcast"], dtype=torch.float64), expected_broadcast), (rank, rep)
@@ -115,7 +120,7 @@ def test_world_size_one_in_process(tmp_path, monkeypatch):
     monkeypatch.setenv("FLAGOS_SHM_DIR", segment_dir)
     dist.init_process_group("flagos_shm", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert isinstance(dist.group.WORLD, flagos_shm.ProcessGroupShm)
+        assert type(flagos_shm.backend.shm_part(dist.group.WORLD)).__name__ == EXPECTED_TYPE
         t = torch.arange(4.0).reshape(2, 2).t()  # non-contiguous
         dist.all_reduce(t, op=dist.ReduceOp.AVG)
         assert torch.equal(t, torch.arange(4.0).reshape(2, 2).t())

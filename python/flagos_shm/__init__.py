@@ -22,10 +22,12 @@ from importlib import metadata as _metadata
 import torch.distributed as _dist
 
 from . import _core  # noqa: F401  (fail at import time when the extension is missing)
-from .backend import BACKEND_NAME, ProcessGroupShm, create_process_group
+from .backend import BACKEND_NAME, ProcessGroupShm, ShmBackend, create_backend, uses_backend_route
+from .backend import device_map as _device_map
 from .work import ShmWork
 
-__all__ = ["__version__", "BACKEND_NAME", "DEVICES", "ENV_EMULATE", "ProcessGroupShm", "ShmWork", "register"]
+__all__ = ["__version__", "BACKEND_NAME", "DEVICES", "ENV_EMULATE", "ProcessGroupShm", "ShmBackend", "ShmWork",
+           "register"]
 
 try:
     __version__ = _metadata.version("flagos_shm")
@@ -34,8 +36,9 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
 
 #: Device types registered for this backend. ``init_process_group()`` with no backend name
 #: on a machine whose accelerator is ``flagos`` (and ``init_device_mesh("flagos", ...)``)
-#: picks flagos_shm; ``backend="flagos_shm"`` serves CPU and flagos tensors in one group.
-#: Tensors of any other device are staged the same way when they reach the group.
+#: picks flagos_shm; ``backend="flagos_shm"`` serves CPU and flagos tensors in one group
+#: (on torch >= 2.14 also CUDA and the PrivateUse1 device under any name:
+#: :mod:`flagos_shm.backend.device_map`).
 DEVICES: list[str] = ["cpu", "flagos"]
 
 #: Environment variable: "1" makes ``import flagos_shm`` enable the emulated flagos device
@@ -51,13 +54,23 @@ def register() -> None:
     so the ``flagos`` default is set explicitly: whether a vendor plugin (torch_fl) or the
     emulator is imported before or after flagos_shm, ``flagos`` maps to flagos_shm (a plugin
     imported later that remaps it on purpose wins). ``cpu`` stays with gloo.
+
+    On torch >= 2.14 (the per-device route, :func:`flagos_shm.backend.uses_backend_route`)
+    it also adjusts torch's ``BackendConfig`` (:mod:`flagos_shm.backend.device_map`):
+    ``backend="gloo"`` groups then serve the PrivateUse1 device through flagos_shm unless
+    ``FLAGOS_SHM_EXTEND_GLOO=0``.
+
+    Raises:
+        ValueError: ``FLAGOS_SHM_ROUTE`` is invalid for this torch.
     """
     if BACKEND_NAME.upper() not in _dist.Backend._plugins:
-        _dist.Backend.register_backend(BACKEND_NAME, create_process_group, extended_api=True,
+        _dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True,
                                        devices=list(DEVICES))
     for device in DEVICES:
         if device != "cpu":
             _dist.Backend.default_device_backend_map[device] = BACKEND_NAME
+    if uses_backend_route():
+        _device_map.install(BACKEND_NAME)
 
 
 register()

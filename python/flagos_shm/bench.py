@@ -508,23 +508,12 @@ def measure_copy(sizes: Sequence[int], plan: Plan, rank: int, ctrl, progress: Pr
 
 
 def shm_process_group(group):
-    """The :class:`~flagos_shm.backend.ProcessGroupShm` behind a ``dist.new_group(backend=
-    "flagos_shm")`` group, or None. In torch 2.13 a Python process group returned by the
-    backend's creator is the group object itself; older layouts wrap it per device."""
-    import torch
+    """The flagos_shm object behind a ``dist.new_group(backend="flagos_shm")`` group (the
+    group itself on the ProcessGroupShm route, its CPU ``ShmBackend`` on torch >= 2.14), or
+    None."""
+    from .backend import shm_part
 
-    from .backend import ProcessGroupShm
-
-    if isinstance(group, ProcessGroupShm):
-        return group
-    for device in ("cpu", "flagos"):
-        try:
-            pg = group._get_backend(torch.device(device))
-        except Exception:
-            continue
-        if isinstance(pg, ProcessGroupShm):
-            return pg
-    return None
+    return shm_part(group, "cpu")
 
 
 OVERHEAD_LAYERS = (

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShmWork"]
+__all__ = ["CoalescedWork", "ShmWork"]
 
 
 class _Completed:
@@ -155,3 +155,44 @@ class ShmWork(dist.Work):
     def synchronize(self) -> None:
         """Block until the collective has finished (host memory holds the results)."""
         self._done.wait()
+
+
+class CoalescedWork(dist.Work):
+    """The work of a coalesced batch (``end_coalescing``): finished when every work of the
+    batch has finished; :meth:`wait` raises the first error among them.
+
+    Args:
+        works: the batch's works, in issue order.
+    """
+
+    def __init__(self, works: list):
+        super().__init__()
+        self._works = list(works)
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Wait for every work of the batch (each with ``timeout``); raises the first error."""
+        first = None
+        for work in self._works:
+            try:
+                work.wait(timeout)
+            except Exception as exc:  # noqa: BLE001  every work is waited for, the first error raised
+                first = first or exc
+        if first is not None:
+            raise first
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with the concatenated output lists of the batch's works."""
+        futures = [w.get_future() for w in self._works]
+        return torch.futures.collect_all(futures).then(
+            lambda fut: [t for f in fut.value() for t in f.value()])
+
+    def synchronize(self) -> None:
+        for work in self._works:
+            work.synchronize()

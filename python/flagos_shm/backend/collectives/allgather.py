@@ -1,0 +1,126 @@
+"""Gathers: allgather in its list, single-tensor and coalesced forms, and gather to a root."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import staging
+from ...work import ShmWork
+from .. import options
+from .base import CollectiveBase
+
+
+class Gathering(CollectiveBase):
+    """allgather, all_gather_single, allgather_coalesced, all_gather_single_coalesced, gather."""
+
+    def allgather(self, output_tensors, input_tensors, opts=None, timeout=None) -> ShmWork:
+        """Gather every rank's ``input_tensors[0]`` into ``output_tensors[0][r]`` for each rank r.
+
+        Args:
+            output_tensors: ``[[t_0, ..., t_{n-1}]]`` of the input's dtype; ``t_r`` receives
+                rank r's input, so ``t_rank`` has the input's element count. Ranks may
+                contribute different element counts (padded internally).
+            input_tensors: ``[tensor]``; or a bare tensor with a flat output list (older overload).
+        """
+        name = "allgather"
+        with self._validating(name, (output_tensors, input_tensors)):
+            if isinstance(input_tensors, torch.Tensor):
+                output_tensors, input_tensors = [output_tensors], [input_tensors]
+            a = self._args(opts, timeout=timeout)
+            inp = staging.stage(options.single(input_tensors, "input_tensors"), "input_tensors[0]")
+            outs = options.tensor_list(options.single(output_tensors, "output_tensors"), "output_tensors[0]", self._world_size)
+            options.check_list(outs, "output_tensors[0]", inp, write=True)
+            counts = [t.numel() for t in outs]
+            if counts[self._rank] != inp.tensor.numel():
+                raise ValueError(f"output_tensors[0][{self._rank}]: expected {inp.tensor.numel()} elements "
+                                 f"(this rank's input), got {counts[self._rank]}")
+        comm, n, count = self._comm, self._world_size, max(counts)
+        src = inp if inp.tensor.numel() == count else staging.pack([inp.host], count)
+        dst = staging.scratch(n * count, inp.torch_dtype)
+        return self._run(name, outs, [], [lambda done: comm.allgather(src.ptr, dst.ptr, src.numel, src.dtype,
+                                                                      a.timeout_s, done)],
+                         opts, after=lambda: staging.unpack(dst, outs, count))
+
+    def all_gather_single(self, output, input, opts=None) -> ShmWork:
+        """Gather every rank's ``input`` into ``output`` (``world_size * input.numel()``
+        elements, rank r's data at ``[r * numel, (r + 1) * numel)`` of the flattened output)."""
+        name = "all_gather_single"
+        with self._validating(name, (output, input)):
+            a = self._args(opts)
+            out, inp = self._stage_pair(output, input, "output", "input")
+            if out.numel != self._world_size * inp.numel:
+                raise ValueError(f"output: expected world_size * input.numel() = {self._world_size} * "
+                                 f"{inp.tensor.numel()} elements, got {output.numel()}")
+        comm = self._comm
+        return self._run(name, [output], [out], [lambda done: comm.allgather(
+            inp.ptr, out.ptr, inp.numel, inp.dtype, a.timeout_s, done)], opts)
+
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None) -> ShmWork:
+        """Gather each ``input_list[i]`` of every rank: ``output_lists[r][i]`` receives rank
+        r's ``input_list[i]`` (torch's layout: ``world_size`` lists of ``len(input_list)``
+        tensors). One collective per input tensor."""
+        name = "allgather_coalesced"
+        with self._validating(name, (output_lists, input_list)):
+            a = self._args(opts)
+            inputs = options.tensor_list(input_list, "input_list")
+            output_lists = options.tensor_list(output_lists, "output_lists", self._world_size)
+            rows = [options.tensor_list(row, f"output_lists[{r}]", len(inputs)) for r, row in enumerate(output_lists)]
+            jobs = []
+            for i, t in enumerate(inputs):
+                inp = staging.stage(t, f"input_list[{i}]")
+                outs = [row[i] for row in rows]
+                options.check_list(outs, f"output_lists[*][{i}]", inp, write=True)
+                if any(o.numel() != t.numel() for o in outs):
+                    raise ValueError(f"output_lists[r][{i}]: every rank's tensor must have input_list[{i}]'s "
+                                     f"{t.numel()} elements")
+                jobs.append((outs, inp))
+        comm, n = self._comm, self._world_size
+        dsts = [staging.scratch(n * inp.tensor.numel(), inp.torch_dtype) for _, inp in jobs]
+        calls = [lambda done, inp=inp, dst=dst: comm.allgather(inp.ptr, dst.ptr, inp.numel, inp.dtype,
+                                                               a.timeout_s, done)
+                 for (_, inp), dst in zip(jobs, dsts)]
+
+        def after():
+            for (outs, inp), dst in zip(jobs, dsts):
+                staging.unpack(dst, outs, inp.tensor.numel())
+        return self._run(name, [o for row in rows for o in row], [], calls, opts, after=after)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> ShmWork:
+        """``all_gather_single`` of each ``(outputs[i], inputs[i])`` pair (one collective each)."""
+        name = "all_gather_single_coalesced"
+        with self._validating(name, (outputs, inputs)):
+            a = self._args(opts)
+            pairs = self._stage_pairs(outputs, inputs)
+            for i, (out, inp) in enumerate(pairs):
+                if out.numel != self._world_size * inp.numel:
+                    raise ValueError(f"outputs[{i}]: expected world_size * inputs[{i}].numel() = "
+                                     f"{self._world_size * inp.tensor.numel()} elements, got {out.tensor.numel()}")
+        comm = self._comm
+        calls = [lambda done, out=out, inp=inp: comm.allgather(inp.ptr, out.ptr, inp.numel, inp.dtype,
+                                                               a.timeout_s, done)
+                 for out, inp in pairs]
+        return self._run(name, list(outputs), [out for out, _ in pairs], calls, opts)
+
+
+    def gather(self, output_tensors, input_tensors, opts=None, timeout=None) -> ShmWork:
+        """Gather every rank's ``input_tensors[0]`` into the root's ``output_tensors[0][r]``.
+
+        Args:
+            output_tensors: on the root ``[[t_0, ..., t_{n-1}]]`` (each of the input's element
+                count and dtype); elsewhere ``[]`` (or ``[[]]``).
+            input_tensors: ``[tensor]``; or a bare tensor with a flat output list followed by
+                the root rank (older overload).
+        """
+        name = "gather"
+        with self._validating(name, (output_tensors, input_tensors)):
+            if isinstance(input_tensors, torch.Tensor):
+                output_tensors, input_tensors = ([output_tensors] if output_tensors else []), [input_tensors]
+            a = self._args(opts, "root", timeout=timeout)
+            inp = staging.stage(options.single(input_tensors, "input_tensors"), "input_tensors[0]")
+            outs = self._root_list(output_tensors, "output_tensors", a.root, inp, write=True)
+        comm, count = self._comm, inp.tensor.numel()
+        dst = staging.scratch(self._world_size * count, inp.torch_dtype) if outs else None
+        return self._run(name, outs, [], [lambda done: comm.gather(
+            inp.ptr, dst.ptr if outs else 0, inp.numel, inp.dtype, a.root, a.timeout_s, done)],
+            opts, after=(lambda: staging.unpack(dst, outs, count)) if outs else None)

@@ -1,0 +1,341 @@
+"""The state every collective of a group shares, and the per-call path around the core.
+
+:class:`CollectiveBase` is mixed into both c10d adapters (``ProcessGroupShm`` and
+``ShmBackend``); the collective families (``reduction``, ``allgather``, ``broadcast``,
+``alltoall``, ``barrier``) build on it. A collective:
+
+1. waits, if an earlier asynchronous call of this group still has to write results into
+   memory that this call's tensors overlap (:meth:`_validating`): calls of one group behave
+   as if issued on one stream, so a later call sees every earlier call's results;
+2. validates and stages its arguments inside :meth:`_validating` (a rank whose arguments
+   are invalid tells its peers through ``Communicator.fail``, so that they raise too);
+3. issues its core calls through :meth:`_run`: inline, or queued on the group's progress
+   thread for ``async_op=True`` (and every collective C++ callers such as DDP issue).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
+
+from ... import _core, staging
+from ...work import ShmWork
+from .. import config, options
+from ..rendezvous import rendezvous
+
+__all__ = ["CollectiveBase"]
+
+
+class _Validation:
+    """Context manager around a call's argument checks and staging: if they raise
+    (ValueError/TypeError for bad arguments), tell the peers through
+    ``Communicator.fail`` so that they raise too instead of waiting; the error propagates."""
+
+    __slots__ = ("comm", "name")
+
+    def __init__(self, comm, name: str):
+        self.comm, self.name = comm, name
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is not None and issubclass(exc_type, Exception):
+            with contextlib.suppress(Exception):  # the caller's error matters more
+                self.comm.fail(self.name, f"{exc_type.__name__}: {exc}")
+        return False
+
+
+def _tensors(items, out: list) -> list:
+    """Append every tensor of ``items`` (a tensor or nested lists/tuples of them) to ``out``."""
+    if isinstance(items, torch.Tensor):
+        out.append(items)
+    elif isinstance(items, (list, tuple)):
+        for item in items:
+            _tensors(item, out)
+    return out
+
+
+def _extents(tensors) -> list:
+    """(device, first byte, end byte) of each strided tensor's memory."""
+    spans = []
+    for t in tensors:
+        if t.layout != torch.strided or t.is_meta or t.numel() == 0:
+            continue
+        start = t.data_ptr()
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+        spans.append((t.device, start, start + (last + 1) * t.element_size()))
+    return spans
+
+
+def _overlap(a: list, b: list) -> bool:
+    return any(da == db and sa < eb and sb < ea for da, sa, ea in a for db, sb, eb in b)
+
+
+class CollectiveBase:
+    """Group state and the per-call path (see the module docstring). Not a c10d class on
+    its own: the adapters mix it into ``dist.ProcessGroup`` or ``c10d.Backend``."""
+
+    _coalesced: Optional[list] = None  # the works issued since start_coalescing (Backend route)
+
+    # ---- set-up and lifetime ----------------------------------------------------------
+
+    def _setup(self, store: dist.Store, rank: int, world_size: int, timeout=default_pg_timeout,
+               group_name: str = "") -> None:
+        """Meet the group's other ranks through ``store`` and attach to the segment.
+
+        Args:
+            store: the group's store (private to the group; c10d passes a ``PrefixStore``).
+            rank: this process's group rank, ``0 <= rank < world_size``.
+            world_size: number of ranks in the group (all on this node).
+            timeout: the group's timeout (``timedelta`` or seconds) for attaching and for
+                each collective unless its options give another one.
+            group_name: the c10d group name, used in error messages.
+
+        Raises:
+            ValueError: bad ``FLAGOS_SHM_DIR`` / ``FLAGOS_SHM_SLOT_BYTES`` (on rank 0), or
+                ``rank`` out of range.
+            OSError: the segment directory is too small (on rank 0).
+            RuntimeError: a peer did not attach in time, exited, or rank 0 failed to create
+                the segment.
+        """
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
+        self._rank, self._world_size = rank, world_size
+        self._group_name = group_name
+        self._store = store
+        self._lock = threading.Lock()
+        self._closed = False
+        self._async = config.async_enabled()
+        self._pending: list = []  # (work, extents) of async works that write outputs back later
+        self._pid = os.getpid()
+        timeout_s = options.timeout_seconds(timeout) or default_pg_timeout.total_seconds()
+        self._timeout_s = timeout_s
+        where = f"flagos_shm group {group_name!r} (rank {rank}/{world_size})"
+        try:
+            path, pids = rendezvous(store, rank, world_size, timeout_s)
+        except RuntimeError as exc:  # a store wait timed out, a rank exited, or rank 0 failed to create
+            raise options.with_context(exc, f"{where}: setting up: {exc}") from exc
+        try:
+            self._comm = _core.Communicator(path, rank, world_size, timeout_s, pids)
+        except FileNotFoundError as exc:  # the others removed it: they gave up before we attached
+            raise RuntimeError(f"{where}: attaching to {path}: the segment is gone: the other ranks gave up "
+                               "setting up the group before this rank attached (a rank exited, or the timeout "
+                               f"passed) ({exc})") from exc
+        except (RuntimeError, ValueError) as exc:
+            raise type(exc)(f"{where}: attaching to {path}: {exc}") from exc
+
+    def set_timeout(self, timeout) -> None:
+        """Set the default timeout of later collectives (``timedelta`` or seconds > 0).
+
+        Raises:
+            ValueError: not a positive duration.
+        """
+        seconds = options.timeout_seconds(timeout)
+        if seconds is None:
+            raise ValueError(f"timeout: expected a positive duration, got {timeout!r}")
+        self._timeout_s = seconds
+        self._comm.set_timeout(seconds)
+
+    def abort(self) -> None:
+        """Mark the group aborted: waiting peers wake up and every later call raises RuntimeError."""
+        if not self._closed:
+            self._comm.abort()
+
+    def shutdown(self) -> None:
+        """Release the shared memory (idempotent); later calls raise RuntimeError.
+
+        A collective still running on this rank (in another thread) is cut short: the group
+        is aborted first, so that call raises RuntimeError at once, as do the peers' calls,
+        instead of holding the segment until the timeout."""
+        if not self._closed:
+            self._closed = True
+            if self._lock.acquire(blocking=False):  # no collective in flight on this rank
+                self._lock.release()
+            else:
+                self._comm.abort()
+            self._comm.close()
+
+    # ---- the per-call path ------------------------------------------------------------
+
+    def _validating(self, name: str, tensors=()) -> _Validation:
+        """Context for a call's argument checks and staging (see :class:`_Validation`).
+
+        Args:
+            tensors: the call's tensor arguments (tensors or nested lists of them): if an
+                earlier asynchronous call of this group has still to write into memory they
+                overlap, wait for it first.
+
+        Raises:
+            RuntimeError: the group has been shut down.
+        """
+        if self._closed:
+            raise RuntimeError(f"flagos_shm {name}: process group {self._group_name!r} has been shut down")
+        if self._pending:
+            self._order_after(tensors)
+        return _Validation(self._comm, name)
+
+    def _order_after(self, tensors) -> None:
+        """Wait for each earlier async work whose pending write-back overlaps ``tensors``."""
+        self._pending = [(w, e) for w, e in self._pending if not w.is_completed()]
+        if not self._pending:
+            return
+        mine = _extents(_tensors(tensors, []))
+        last = None
+        for i, (work, spans) in enumerate(self._pending):
+            if _overlap(mine, spans):
+                last = i
+        if last is not None:
+            # Works of a group complete in issue order: waiting for the last overlapping one
+            # covers the earlier ones. Its error is its own; this call goes on.
+            with contextlib.suppress(Exception):
+                self._pending[last][0].wait()
+            del self._pending[: last + 1]
+
+    def _args(self, opts, loose: Optional[str] = None, *, op=None, root=None, timeout=None) -> options.Args:
+        return options.parse(opts, self._world_size, loose, op=op, root=root, timeout=timeout)
+
+    def _run(self, name: str, outputs: list, buffers: Sequence[staging.HostBuffer],
+             calls: Sequence[Callable], opts=None, after: Optional[Callable[[], None]] = None,
+             can_async: bool = True) -> ShmWork:
+        """Issue the core calls of one collective and return its ShmWork.
+
+        Args:
+            outputs: the caller's output tensors (the work's result).
+            buffers: staged buffers to write back (:func:`staging.finish`) after the calls.
+            calls: each issues one core call, given the ``done`` argument to pass on to it
+                (``None``: run inline; a callable: queue it on the progress thread).
+            opts: the call's options; ``opts.asyncOp`` (c10d sets it from ``async_op``, and
+                it defaults to True for C++ callers such as DDP) selects the asynchronous
+                path unless ``FLAGOS_SHM_ASYNC=0`` or ``can_async`` is False.
+            after: run once every call has succeeded, before the write-back (e.g. copying a
+                scratch buffer out into the caller's list of tensors).
+
+        Validation is over when this is called; errors raised by the transfer are stored in
+        the work (``wait()`` re-raises them), prefixed with the group.
+        """
+        if can_async and self._async and getattr(opts, "asyncOp", False) is True:
+            work = self._run_async(name, outputs, buffers, calls, after)
+        else:
+            work = self._run_sync(name, outputs, buffers, calls, after)
+        if self._coalesced is not None:
+            self._coalesced.append(work)
+        return work
+
+    def _run_sync(self, name: str, outputs: list, buffers: Sequence[staging.HostBuffer],
+                  calls: Sequence[Callable], after: Optional[Callable[[], None]]) -> ShmWork:
+        """Run ``calls`` on this thread (after every earlier queued call of the group)."""
+        try:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the process group has been shut down")
+                for call in calls:
+                    call(None)
+                if after is not None:
+                    after()
+                staging.finish(buffers)
+        except Exception as exc:
+            return ShmWork(outputs, self._error(name, exc))
+        return ShmWork(outputs)
+
+    def _run_async(self, name: str, outputs: list, buffers: Sequence[staging.HostBuffer],
+                   calls: Sequence[Callable], after: Optional[Callable[[], None]]) -> ShmWork:
+        """Queue ``calls`` on the progress thread; the work completes after the last one.
+
+        The completion callback runs on the progress thread (GIL held): it runs ``after``
+        and the write-back, then completes the work and its future. The callback holds the
+        buffers (and so the caller's tensors and pinned staging memory) until then. A work
+        that writes its outputs back this late is remembered in ``_pending`` so that later
+        calls on overlapping memory wait for it (:meth:`_order_after`).
+        """
+        tickets = [0]
+        comm = self._comm
+        work = ShmWork(outputs, pending=True, abort=self.abort, help=lambda: comm.wait_ticket(tickets[0]))
+        # The core only holds raw addresses: everything the calls read or write (captured
+        # by the ``calls`` closures: inputs, scratch and packed buffers) must stay alive
+        # until the last call has finished.
+        keep_alive = [calls, buffers, after]
+        left = [len(calls)]
+        errors: list = []
+        lock = threading.Lock()
+
+        def done(error, count: int = 1) -> None:
+            with lock:
+                if error is not None:
+                    errors.append(error)
+                left[0] -= count
+                last = left[0] == 0
+            if not last:
+                return
+            first = errors[0] if errors else None
+            keep_alive.clear()
+            if first is None:
+                try:
+                    if after is not None:
+                        after()
+                    staging.finish(buffers)
+                except Exception as exc:
+                    first = exc
+            work._complete(None if first is None else self._error(name, first))
+
+        if not calls:
+            work._complete()
+            return work
+        if after is not None or any(b._write_back for b in buffers):
+            self._pending.append((work, _extents(_tensors(outputs, []))))
+        with self._lock:
+            for i, call in enumerate(calls):
+                try:
+                    if self._closed:
+                        raise RuntimeError("the process group has been shut down")
+                    tickets[0] = max(tickets[0], call(done) or 0)
+                except Exception as exc:  # not queued: this and the later calls never report
+                    done(exc, len(calls) - i)
+                    break
+        return work
+
+    def _error(self, name: str, exc: Exception) -> Exception:
+        """Re-create ``exc`` with the group, rank and collective in its message."""
+        message = f"flagos_shm {name} on group {self._group_name!r} (rank {self._rank}/{self._world_size}): {exc}"
+        try:
+            wrapped = type(exc)(message)
+        except Exception:
+            return exc
+        wrapped.__cause__ = exc
+        return wrapped
+
+    def _stage_pair(self, output, input, out_arg: str, in_arg: str):
+        """Stage an (output, input) pair of one dtype; copy the input if it overlaps the output."""
+        out = staging.stage(output, out_arg, read=False, write=True)
+        inp = staging.stage(input, in_arg, read=True)
+        options.same_dtype([out, inp], [out_arg, in_arg])
+        if inp.overlaps(out):  # e.g. FSDP's in-place all-gather: the input is a slice of the output
+            inp = staging.stage(inp.host.clone(), in_arg)
+        return out, inp
+
+    def _stage_pairs(self, outputs, inputs) -> list:
+        inputs = options.tensor_list(inputs, "inputs")
+        outputs = options.tensor_list(outputs, "outputs", len(inputs))
+        return [self._stage_pair(o, t, f"outputs[{i}]", f"inputs[{i}]")
+                for i, (o, t) in enumerate(zip(outputs, inputs))]
+
+    def _root_list(self, lists, arg: str, root: int, like: staging.HostBuffer, write: bool) -> list:
+        """The root's list of ``world_size`` tensors shaped like ``like``; [] on other ranks."""
+        lists = options.tensor_list(lists, arg)
+        if self._rank != root:
+            if any(not isinstance(item, (list, tuple)) or len(item) for item in lists):
+                raise ValueError(f"{arg}: only the root (rank {root}) passes tensors here; "
+                                 f"expected [] on rank {self._rank}")
+            return []
+        tensors = options.tensor_list(options.single(lists, arg), f"{arg}[0]", self._world_size)
+        options.check_list(tensors, f"{arg}[0]", like, write)
+        for i, t in enumerate(tensors):
+            if t.numel() != like.tensor.numel():
+                raise ValueError(f"{arg}[0][{i}]: expected {like.tensor.numel()} elements, got {t.numel()}")
+        return tensors

@@ -1,0 +1,53 @@
+"""One-to-all: broadcast and scatter from a root."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import staging
+from ...work import ShmWork
+from .. import options
+from .base import CollectiveBase
+
+
+class OneToAll(CollectiveBase):
+    """broadcast, scatter."""
+
+    def broadcast(self, tensors, opts=None, timeout=None) -> ShmWork:
+        """Copy the root's ``tensors[0]`` into every rank's ``tensors[0]``.
+
+        Args:
+            tensors: a list with one tensor, or a tensor.
+            opts: ``BroadcastOptions`` (``rootRank``; ``rootTensor`` must be 0), or the root
+                rank (older overload).
+        """
+        name = "broadcast"
+        with self._validating(name, (tensors,)):
+            a = self._args(opts, "root", timeout=timeout)
+            is_root = a.root == self._rank
+            buf = staging.stage(options.single(tensors, "tensors"), "tensors[0]", read=is_root, write=not is_root)
+        comm = self._comm
+        return self._run(name, [buf.tensor], [buf], [lambda done: comm.broadcast(
+            buf.ptr, buf.numel, buf.dtype, a.root, a.timeout_s, done)], opts)
+
+    def scatter(self, output_tensors, input_tensors, opts=None, timeout=None) -> ShmWork:
+        """Copy the root's ``input_tensors[0][r]`` into rank r's ``output_tensors[0]``.
+
+        Args:
+            output_tensors: ``[tensor]``; or a bare tensor with a flat input list followed by the
+                root rank (older overload).
+            input_tensors: on the root ``[[t_0, ..., t_{n-1}]]`` (each of the output's element
+                count and dtype); elsewhere ``[]`` (or ``[[]]``).
+        """
+        name = "scatter"
+        with self._validating(name, (output_tensors, input_tensors)):
+            if isinstance(output_tensors, torch.Tensor):
+                output_tensors, input_tensors = [output_tensors], ([input_tensors] if input_tensors else [])
+            a = self._args(opts, "root", timeout=timeout)
+            out = staging.stage(options.single(output_tensors, "output_tensors"), "output_tensors[0]",
+                                read=False, write=True)
+            ins = self._root_list(input_tensors, "input_tensors", a.root, out, write=False)
+        comm = self._comm
+        src = staging.pack(ins, out.tensor.numel()) if ins else None
+        return self._run(name, [out.tensor], [out], [lambda done: comm.scatter(
+            src.ptr if ins else 0, out.ptr, out.numel, out.dtype, a.root, a.timeout_s, done)], opts)

@@ -1,0 +1,124 @@
+"""Reductions: allreduce (and its coalesced form), reduce, reduce-scatter."""
+
+from __future__ import annotations
+
+import torch
+
+from ... import staging
+from ...work import ShmWork
+from .. import options
+from .base import CollectiveBase
+
+
+class Reduction(CollectiveBase):
+    """allreduce, allreduce_coalesced, reduce, reduce_scatter, reduce_scatter_single(_coalesced)."""
+
+    def allreduce(self, tensors, opts=None, timeout=None) -> ShmWork:
+        """Reduce ``tensors[0]`` (or a bare tensor) in place across the group.
+
+        Args:
+            tensors: a list with one tensor, or a tensor (DDP's join path).
+            opts: ``AllreduceOptions``, or a ``ReduceOp`` (older overload).
+        """
+        name = "allreduce"
+        with self._validating(name, (tensors,)):
+            a = self._args(opts, "op", timeout=timeout)
+            buf = staging.stage(options.single(tensors, "tensors", " (use allreduce_coalesced for several tensors)"),
+                                "tensors[0]", read=True, write=True)
+            options.check_op(a.op, buf, "tensors[0]")
+        comm = self._comm
+        return self._run(name, [buf.tensor], [buf], [lambda done: comm.allreduce(
+            buf.ptr, buf.numel, buf.dtype, a.op, a.factor, a.timeout_s, done)], opts)
+
+    def allreduce_coalesced(self, tensors, opts=None) -> ShmWork:
+        """Reduce each tensor of ``tensors`` (one dtype) in place; one collective per tensor."""
+        name = "allreduce_coalesced"
+        with self._validating(name, (tensors,)):
+            a = self._args(opts, "op")
+            tensors = options.tensor_list(tensors, "tensors")
+            args = [f"tensors[{i}]" for i in range(len(tensors))]
+            bufs = [staging.stage(t, arg, read=True, write=True) for t, arg in zip(tensors, args)]
+            options.same_dtype(bufs, args)
+            for buf, arg in zip(bufs, args):
+                options.check_op(a.op, buf, arg)
+        comm = self._comm
+        calls = [lambda done, b=buf: comm.allreduce(b.ptr, b.numel, b.dtype, a.op, a.factor, a.timeout_s, done)
+                 for buf in bufs]
+        return self._run(name, tensors, bufs, calls, opts)
+
+    def reduce(self, tensors, opts=None, op=None, timeout=None) -> ShmWork:
+        """Reduce every rank's ``tensors[0]`` into the root's ``tensors[0]`` (others unchanged).
+
+        Args:
+            opts: ``ReduceOptions`` (``reduceOp``, ``rootRank``), or the root rank followed by
+                ``op`` (older overload).
+        """
+        name = "reduce"
+        with self._validating(name, (tensors,)):
+            a = self._args(opts, "root", op=op, timeout=timeout)
+            buf = staging.stage(options.single(tensors, "tensors"), "tensors[0]", read=True, write=a.root == self._rank)
+            options.check_op(a.op, buf, "tensors[0]")
+        comm = self._comm
+        return self._run(name, [buf.tensor], [buf], [lambda done: comm.reduce(
+            buf.ptr, buf.numel, buf.dtype, a.op, a.root, a.factor, a.timeout_s, done)], opts)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None, timeout=None) -> ShmWork:
+        """Reduce ``input_tensors[0][r]`` over all ranks into rank r's ``output_tensors[0]``.
+
+        Args:
+            output_tensors: ``[tensor]``; or a bare tensor with a flat input list (older overload,
+                then ``opts`` may be a ``ReduceOp``).
+            input_tensors: ``[[t_0, ..., t_{n-1}]]``, each with the output's element count.
+        """
+        name = "reduce_scatter"
+        with self._validating(name, (output_tensors, input_tensors)):
+            if isinstance(output_tensors, torch.Tensor):
+                output_tensors, input_tensors = [output_tensors], [input_tensors]
+            a = self._args(opts, "op", timeout=timeout)
+            out = staging.stage(options.single(output_tensors, "output_tensors"), "output_tensors[0]",
+                                read=False, write=True)
+            ins = options.tensor_list(options.single(input_tensors, "input_tensors"), "input_tensors[0]", self._world_size)
+            options.check_list(ins, "input_tensors[0]", out, write=False)
+            for i, t in enumerate(ins):
+                if t.numel() != out.tensor.numel():
+                    raise ValueError(f"input_tensors[0][{i}]: expected the output's {out.tensor.numel()} "
+                                     f"elements, got {t.numel()}")
+            options.check_op(a.op, out, "output_tensors[0]")
+        comm = self._comm
+        src = staging.pack(ins, out.tensor.numel())
+        return self._run(name, [out.tensor], [out], [lambda done: comm.reduce_scatter(
+            src.ptr, out.ptr, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
+
+    def reduce_scatter_single(self, output, input, opts=None) -> ShmWork:
+        """Reduce ``input`` (``world_size * output.numel()`` elements) over all ranks; rank r
+        receives the reduction of slice ``[r * numel, (r + 1) * numel)`` in ``output``."""
+        name = "reduce_scatter_single"
+        with self._validating(name, (output, input)):
+            a = self._args(opts, "op")
+            out, inp = self._stage_pair(output, input, "output", "input")
+            if inp.numel != self._world_size * out.numel:
+                raise ValueError(f"input: expected world_size * output.numel() = {self._world_size} * "
+                                 f"{output.numel()} elements, got {input.numel()}")
+            options.check_op(a.op, out, "output")
+        comm = self._comm
+        return self._run(name, [output], [out], [lambda done: comm.reduce_scatter(
+            inp.ptr, out.ptr, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
+
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> ShmWork:
+        """``reduce_scatter_single`` of each ``(outputs[i], inputs[i])`` pair (one collective each)."""
+        name = "reduce_scatter_single_coalesced"
+        with self._validating(name, (outputs, inputs)):
+            a = self._args(opts, "op")
+            pairs = self._stage_pairs(outputs, inputs)
+            for i, (out, inp) in enumerate(pairs):
+                if inp.numel != self._world_size * out.numel:
+                    raise ValueError(f"inputs[{i}]: expected world_size * outputs[{i}].numel() = "
+                                     f"{self._world_size * out.tensor.numel()} elements, got {inp.tensor.numel()}")
+                options.check_op(a.op, out, f"outputs[{i}]")
+        comm = self._comm
+        calls = [lambda done, out=out, inp=inp: comm.reduce_scatter(inp.ptr, out.ptr, out.numel, out.dtype, a.op,
+                                                                    a.factor, a.timeout_s, done)
+                 for out, inp in pairs]
+        return self._run(name, list(outputs), [out for out, _ in pairs], calls, opts)
+

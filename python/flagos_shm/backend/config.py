@@ -1,0 +1,95 @@
+"""Every ``FLAGOS_SHM_*`` setting the backend reads, in one place.
+
+Each function reads the environment when it is called (group creation or import), so a
+test or a launcher can set a variable before it creates a group. The core (``_core``)
+still reads ``FLAGOS_SHM_CMA`` and ``FLAGOS_SHM_CMA_MIN_BYTES`` itself (see the README).
+
+Variables:
+    FLAGOS_SHM_DIR: directory of the shared-memory segments (default ``/dev/shm``).
+    FLAGOS_SHM_SLOT_BYTES: bytes per chunk slot (default ``_core.DEFAULT_SLOT_BYTES``).
+    FLAGOS_SHM_ASYNC: ``0`` runs ``async_op=True`` collectives inline too.
+    FLAGOS_SHM_ROUTE: ``auto`` (default), ``backend`` or ``process_group``: which c10d
+        integration ``import flagos_shm`` registers (:mod:`flagos_shm.backend`).
+    FLAGOS_SHM_EXTEND_GLOO: ``0`` leaves ``backend="gloo"`` groups exactly as torch makes
+        them; by default (torch >= 2.14) they also serve the PrivateUse1 device through
+        flagos_shm (:mod:`flagos_shm.backend.device_map`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from .. import _core
+
+ENV_DIR = "FLAGOS_SHM_DIR"
+ENV_SLOT_BYTES = "FLAGOS_SHM_SLOT_BYTES"
+ENV_ASYNC = "FLAGOS_SHM_ASYNC"
+ENV_ROUTE = "FLAGOS_SHM_ROUTE"
+ENV_EXTEND_GLOO = "FLAGOS_SHM_EXTEND_GLOO"
+DEFAULT_DIR = "/dev/shm"
+ROUTES = ("auto", "backend", "process_group")
+
+_OFF = ("0", "false", "no", "off")
+
+
+def _flag(name: str, default: bool) -> bool:
+    raw = os.environ.get(name, "").strip().lower()
+    return default if not raw else raw not in _OFF
+
+
+def async_enabled() -> bool:
+    """``FLAGOS_SHM_ASYNC`` (default on): whether ``async_op=True`` calls run on the
+    group's progress thread (off: inline, for debugging and measurements)."""
+    return _flag(ENV_ASYNC, True)
+
+
+def extend_gloo() -> bool:
+    """``FLAGOS_SHM_EXTEND_GLOO`` (default on): whether ``backend="gloo"`` groups also
+    serve the PrivateUse1 device type through flagos_shm (torch >= 2.14 only)."""
+    return _flag(ENV_EXTEND_GLOO, True)
+
+
+def route() -> str:
+    """``FLAGOS_SHM_ROUTE``: ``"auto"``, ``"backend"`` or ``"process_group"``.
+
+    Raises:
+        ValueError: any other value.
+    """
+    value = os.environ.get(ENV_ROUTE, "").strip().lower() or "auto"
+    if value not in ROUTES:
+        raise ValueError(f"{ENV_ROUTE}={value!r}: expected one of {', '.join(ROUTES)}")
+    return value
+
+
+def segment_config() -> tuple[str, int]:
+    """Read the segment directory and slot size from the environment.
+
+    ``FLAGOS_SHM_DIR`` (default ``/dev/shm``): an existing directory, ideally a tmpfs.
+    ``FLAGOS_SHM_SLOT_BYTES`` (default ``_core.DEFAULT_SLOT_BYTES``): the per-rank chunk-slot
+    size in bytes, a positive integer within the core's bounds (a multiple of 4096 up to
+    1 GiB in this version; each rank owns 2 slots of the segment).
+
+    Returns:
+        (directory, slot size in bytes).
+
+    Raises:
+        ValueError: a variable is set to an unusable value.
+    """
+    directory = os.environ.get(ENV_DIR, DEFAULT_DIR)
+    if not directory or not os.path.isdir(directory):
+        raise ValueError(f"{ENV_DIR}={directory!r}: expected an existing directory (default {DEFAULT_DIR})")
+    raw = os.environ.get(ENV_SLOT_BYTES)
+    if raw is None or raw.strip() == "":
+        return directory, int(_core.DEFAULT_SLOT_BYTES)
+    try:
+        slot_bytes = int(raw.strip())
+    except ValueError:
+        slot_bytes = 0
+    if slot_bytes <= 0:
+        raise ValueError(f"{ENV_SLOT_BYTES}={raw!r}: expected a positive integer number of bytes "
+                         f"(default {_core.DEFAULT_SLOT_BYTES})")
+    try:
+        _core.segment_bytes(1, slot_bytes)  # the core's own bounds and alignment rules
+    except ValueError as exc:
+        raise ValueError(f"{ENV_SLOT_BYTES}={raw!r}: {exc}") from None
+    return directory, slot_bytes

@@ -1,0 +1,121 @@
+"""Fresh rank processes for tests that need a process without a default group (or with a
+particular import order): :func:`spawn` runs a module-level function of a test file in
+``world_size`` new interpreters, each rank in its own session, and collects their JSON
+results. No process or segment file is left behind, whatever happens.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import glob
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+
+SPAWN_TIMEOUT_S = 90.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn(fn, world_size: int, env: dict | None = None, args: tuple = (),
+          timeout: float = SPAWN_TIMEOUT_S) -> list:
+    """Run ``fn(rank, world_size, tmpdir, *args)`` (a module-level function of a test file) in
+    ``world_size`` fresh interpreters; return their JSON results, rank order.
+
+    Each rank gets ``env`` on top of this process's environment minus FLAGOS_SHM_EMULATE*,
+    env:// variables (MASTER_ADDR/PORT, RANK, WORLD_SIZE), its own FLAGOS_SHM_DIR (a fresh
+    directory under /dev/shm that must be empty at the end) and a shared temporary
+    directory. Ranks run in their own session and get SIGKILL if this process dies; past
+    ``timeout`` seconds they dump their stacks and are killed. No process or directory is
+    left behind, whatever happens.
+
+    Raises:
+        AssertionError: a rank failed or timed out (with every rank's log), or left a
+            segment file.
+    """
+    tmp = tempfile.mkdtemp(prefix="flagos_test_")
+    shm = tempfile.mkdtemp(prefix="flagos_shm_test_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_SHM_EMULATE")}
+    base.update({"FLAGOS_SHM_DIR": shm, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(world_size), "PYTHONFAULTHANDLER": "1"})
+    base.update(env or {})
+    procs, logs = [], [os.path.join(tmp, f"rank{r}.log") for r in range(world_size)]
+    try:
+        for rank in range(world_size):
+            with open(logs[rank], "wb") as log:
+                procs.append(subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "--child", sys.modules[fn.__module__].__file__, fn.__name__, str(rank), str(world_size),
+                     tmp, json.dumps(list(args)), str(timeout)],
+                    env={**base, "RANK": str(rank)}, stdin=subprocess.DEVNULL, stdout=log,
+                    stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout + 10  # the ranks dump their stacks at `timeout`
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        codes = [p.poll() for p in procs]
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(tmp, f"result{rank}.json")
+            results.append(json.load(open(path)) if os.path.exists(path) else None)
+        if any(c != 0 for c in codes) or any(r is None for r in results):
+            report = "".join(f"\n--- rank {r} (exit {codes[r]}) ---\n{open(logs[r], errors='replace').read()[-6000:]}"
+                             for r in range(world_size))
+            raise AssertionError(f"{fn.__name__} failed in {world_size} fresh rank(s):{report}")
+        return results
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)  # the rank's own session
+                proc.wait()
+        left = glob.glob(os.path.join(shm, "*"))
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if left:
+            raise AssertionError(f"segment files left behind: {left}")
+
+
+def _child_main(argv: list) -> int:
+    module_file, name, rank, world_size, tmp, args, timeout = argv
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:
+            return 1
+    except Exception:
+        pass
+    faulthandler.dump_traceback_later(float(timeout), exit=True)
+    torch.set_num_threads(1)
+    try:
+        spec = importlib.util.spec_from_file_location("_spawned_test_module", module_file)
+        module = importlib.util.module_from_spec(spec)
+        sys.path.insert(0, os.path.dirname(module_file))
+        spec.loader.exec_module(module)
+        result = getattr(module, name)(int(rank), int(world_size), tmp, *json.loads(args))
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    with open(os.path.join(tmp, f"result{rank}.json.tmp"), "w") as f:
+        json.dump(result, f)
+    os.replace(os.path.join(tmp, f"result{rank}.json.tmp"), os.path.join(tmp, f"result{rank}.json"))
+    return 0
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--child":
+    sys.exit(_child_main(sys.argv[2:]))
