@@ -566,7 +566,9 @@ def test_distributed_sees_flagos_device_type(built, tmp_path):
     script = PRELUDE + DIST_RANK
     procs = [subprocess.Popen([sys.executable, "-c", script, str(r), str(world), store],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=_child_env())
+                              # Gloo as torch has it: importing flagos_shm (through its emulation
+                              # module) would otherwise let the "gloo" group serve flagos tensors.
+                              env=_child_env({"FLAGOS_SHM_EXTEND_GLOO": "0"}))
              for r in range(world)]
     outputs = []
     try:

@@ -563,6 +563,51 @@ def rank_ddp_matches_single_process() -> dict:
     return diffs
 
 
+def rank_reuse_before_wait() -> dict:
+    """A tensor reused by a later call before the earlier async call was waited for: the
+    later call must see the earlier result (calls of a group behave as if on one stream).
+    For flagos tensors (contiguous and strided) and strided CPU tensors, three patterns
+    (issue 11): two async allreduces, async then sync allreduce, async broadcast then async
+    allreduce. x = rank + 1 on every rank; expected values from the sum formula."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dev = _setup()
+    s = float(sum(range(1, n + 1)))
+    got = {}
+
+    def tensors():
+        base_dev = torch.full((16, 2), float(rank + 1), device=dev)
+        base_cpu = torch.full((16, 2), float(rank + 1))
+        return {"flagos": torch.full((16,), float(rank + 1), device=dev), "flagos_strided": base_dev[:, 0],
+                "cpu_strided": base_cpu[:, 1]}
+
+    for kind, x in tensors().items():
+        w1 = dist.all_reduce(x, async_op=True)
+        w2 = dist.all_reduce(x, async_op=True)
+        w1.wait()
+        w2.wait()
+        got[f"{kind}/async,async"] = (x.cpu().tolist(), [n * s] * 16)
+    for kind, x in tensors().items():
+        w1 = dist.all_reduce(x, async_op=True)
+        dist.all_reduce(x)
+        w1.wait()
+        got[f"{kind}/async,sync"] = (x.cpu().tolist(), [n * s] * 16)
+    for kind, x in tensors().items():
+        w1 = dist.broadcast(x, 0, async_op=True)
+        w2 = dist.all_reduce(x, async_op=True)
+        w1.wait()
+        w2.wait()
+        got[f"{kind}/bcast,allreduce"] = (x.cpu().tolist(), [float(n)] * 16)  # rank 0's 1.0, summed
+    return {k: v[0] == v[1] for k, v in got.items()} | {"values": {k: v[0][:2] for k, v in got.items()}}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_reuse_before_wait_sees_earlier_results(flagos_world, world_size):
+    for res in flagos_world(world_size).run(rank_reuse_before_wait, timeout=CALL_TIMEOUT_S):
+        bad = {k: res["values"][k] for k, ok in res.items() if ok is False}
+        assert not bad, bad
+        assert len(res) == 1 + 9, res
+
+
 def test_ddp_matches_single_process(flagos_world):
     results = flagos_world(2).run(rank_ddp_matches_single_process, timeout=CALL_TIMEOUT_S)
     assert results[0] == results[1]  # both ranks hold the same parameters
@@ -846,7 +891,8 @@ def _backend_report(group=None) -> dict:
     does the same for NCCL); the per-device config and the group object show the choice."""
     pg = group or dist.distributed_c10d._get_default_group()
     return {"backend": str(dist.get_backend(pg)), "config": dist.get_backend_config(pg),
-            "group_type": type(pg).__name__, "backend_name": pg.getBackendName() if hasattr(pg, "getBackendName") else None}
+            "group_type": type(pg).__name__, "backend_name": (pg if hasattr(pg, "getBackendName")
+                             else pg._get_backend(torch.device("flagos"))).getBackendName()}
 
 
 def _check_backend_report(res: dict) -> None:

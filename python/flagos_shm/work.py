@@ -79,15 +79,21 @@ class ShmWork(dist.Work):
                 return
             self._error = error
             self._done.set()
-            future = self._future
-        if future is not None:
-            self._settle(future)
+            source = self._source
+        if source is not None:
+            source.set_result(None)
 
-    def _settle(self, future: torch.futures.Future) -> None:
-        if self._error is None:
-            future.set_result(self._outputs)
-        else:
-            future.set_exception(self._error)
+    # The future handed out is ``source.then(_outcome)``: completing ``source`` runs
+    # ``_outcome``, which returns the outputs or raises the error, so the error is set on the
+    # C++ future itself. (``Future.set_exception`` keeps the error in the Python wrapper
+    # only: where torch hands the C++ future on, as the per-device route's work holder does,
+    # the exception would arrive as the future's *value*.)
+    _source: Optional[torch.futures.Future] = None
+
+    def _outcome(self, _source: torch.futures.Future) -> list:
+        if self._error is not None:
+            raise self._error
+        return self._outputs
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         """Block until the collective has finished; return ``True``.
@@ -129,13 +135,14 @@ class ShmWork(dist.Work):
         """A future completed with the list of output tensors (or the error) when the work finishes."""
         with self._lock:
             if self._future is None:
-                self._future = torch.futures.Future()
+                self._source = torch.futures.Future()
+                self._future = self._source.then(self._outcome)
                 settle = self._done.is_set()
             else:
                 settle = False
-            future = self._future
+            source, future = self._source, self._future
         if settle:
-            self._settle(future)
+            source.set_result(None)
         return future
 
     def is_completed(self) -> bool:
