@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -197,7 +196,8 @@ def main() -> int:
         def on_dev():
             dist.all_reduce(d)
             mod.synchronize()
-        timing[label] = {"device_us": _median_us(on_dev, iters), "cpu_us": _median_us(lambda: dist.all_reduce(c), iters)}
+        timing[label] = {"device_us": _median_us(on_dev, iters),
+                         "cpu_us": _median_us(lambda: dist.all_reduce(c), iters)}
     results["allreduce_us"] = timing
     results["ddp_step_ms"] = {"flagos_shm": ddp_step_ms(dev, None)}
     if args.device == "cuda":

@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 
 def rank_main(rank, path):
     os.sched_setaffinity(0, {rank % os.cpu_count()})
-    import torch, torch.distributed as dist, flagos_shm
+    import torch
+    import torch.distributed as dist
     torch.set_num_threads(1)  # as torchrun (OMP_NUM_THREADS=1) and the demo do
     dist.init_process_group("flagos_shm", init_method=f"file://{path}", rank=rank, world_size=2)
     torch.flagos.set_device(rank)
@@ -23,14 +24,18 @@ def rank_main(rank, path):
         res = {}
         for dev in ["cpu", f"flagos:{rank}"]:
             x = torch.ones(nbytes // 4, device=dev)
-            for _ in range(3): dist.all_reduce(x)
+            for _ in range(3):
+                dist.all_reduce(x)
             times = []
             for _ in range(iters):
                 dist.barrier()
-                t = time.perf_counter(); dist.all_reduce(x); times.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                dist.all_reduce(x)
+                times.append(time.perf_counter() - t)
             res[dev.split(":")[0]] = statistics.median(times) * 1e6
         if rank == 0:
-            print(f"{nbytes:>9} B  cpu {res['cpu']:9.1f} us  flagos {res['flagos']:9.1f} us  staging overhead x{res['flagos']/res['cpu']:.2f}", flush=True)
+            print(f"{nbytes:>9} B  cpu {res['cpu']:9.1f} us  flagos {res['flagos']:9.1f} us  "
+                  f"staging overhead x{res['flagos'] / res['cpu']:.2f}", flush=True)
     dist.destroy_process_group()
 
 if __name__ == "__main__":

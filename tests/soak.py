@@ -175,7 +175,8 @@ class Driver:
         self.workers: list = []
         self.all_pids: list = []
         self.stats = {"rounds": 0, "rounds_with_kill": 0, "kills": 0, "restarts": 0, "groups": 0,
-                      "operations": 0, "expected_errors": 0, "expected_errors_at_set_up": 0, "wrong_results": 0, "unexpected_errors": 0,
+                      "operations": 0, "expected_errors": 0, "expected_errors_at_set_up": 0, "wrong_results": 0,
+                      "unexpected_errors": 0,
                       "hung_workers": 0, "crashes": 0, "segments_left_after_a_round": 0,
                       "segments_leaked": 0, "dev_shm_entries_leaked": 0, "leftover_processes": 0}
         self.examples: dict = {"wrong": [], "unexpected": [], "expected": []}
@@ -388,7 +389,8 @@ FAIL_KEYS = ("wrong_results", "unexpected_errors", "hung_workers", "crashes", "s
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=None, help="how long to run (default 10 minutes)")
     p.add_argument("--seconds", type=float, default=None, help="how long to run, in seconds (overrides --minutes)")
     p.add_argument("--nproc", type=int, default=4, help="number of worker processes (ranks), 1-8 (default 4)")

@@ -58,8 +58,8 @@ def spawn(fn, world_size: int, env: dict | None = None, args: tuple = (),
         for rank in range(world_size):
             with open(logs[rank], "wb") as log:
                 procs.append(subprocess.Popen(
-                    [sys.executable, os.path.abspath(__file__), "--child", sys.modules[fn.__module__].__file__, fn.__name__, str(rank), str(world_size),
-                     tmp, json.dumps(list(args)), str(timeout)],
+                    [sys.executable, os.path.abspath(__file__), "--child", sys.modules[fn.__module__].__file__,
+                     fn.__name__, str(rank), str(world_size), tmp, json.dumps(list(args)), str(timeout)],
                     env={**base, "RANK": str(rank)}, stdin=subprocess.DEVNULL, stdout=log,
                     stderr=subprocess.STDOUT, start_new_session=True))
         deadline = time.monotonic() + timeout + 10  # the ranks dump their stacks at `timeout`

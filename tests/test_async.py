@@ -335,7 +335,7 @@ def test_idle_progress_thread_uses_no_cpu(worlds):
         assert res["threads_after_destroy"] == res["threads"] - 1, res  # destroy joins the thread
 
 
-def test_ddp_overlaps_allreduce_with_backward_on_flagos(worlds, emulator_built):
+def test_ddp_overlaps_allreduce_with_backward_on_flagos(worlds, emulator_built):  # noqa: F811  (the fixture)
     for res in worlds(2, **EMU_ENV).run(rank_ddp_overlap, 4):
         assert res["buckets"] >= 3, res
         assert res["grads_equal"], res

@@ -224,7 +224,8 @@ def _ddp_vs_local(dev: torch.device, steps: int = 3) -> bool:
     for step in range(steps):
         x, y = _batch(step, n)
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[rank * 4:(rank + 1) * 4].to(dev)), y[rank * 4:(rank + 1) * 4].to(dev)).backward()
+        rows = slice(rank * 4, (rank + 1) * 4)
+        torch.nn.functional.mse_loss(model(x[rows].to(dev)), y[rows].to(dev)).backward()
         opt.step()
     return all(torch.allclose(p.detach().cpu(), q, rtol=1e-5, atol=1e-5)
                for p, q in zip(model.parameters(), _local_params(n, steps)))
@@ -243,7 +244,8 @@ def _fsdp2_vs_local(dev: torch.device, steps: int = 3) -> bool:
     for step in range(steps):
         x, y = _batch(step, n)
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x[rank * 4:(rank + 1) * 4].to(dev)), y[rank * 4:(rank + 1) * 4].to(dev)).backward()
+        rows = slice(rank * 4, (rank + 1) * 4)
+        torch.nn.functional.mse_loss(model(x[rows].to(dev)), y[rows].to(dev)).backward()
         opt.step()
     full = [p.full_tensor().detach().cpu() for p in model.parameters()]
     return all(torch.allclose(p, q, rtol=1e-5, atol=1e-5) for p, q in zip(full, _local_params(n, steps)))

@@ -105,7 +105,6 @@ def _victim(store: str, grank: int, size: int, name: str, case: dict, out_dir: s
                 threading.Thread(target=_signal_when_done_up_to,
                                  args=(out, i, exp.reshape(-1)[i].item(), case["sig"], out_dir, grank),
                                  daemon=True).start()
-            t0 = time.monotonic()
             try:
                 call()
             except Exception as exc:  # noqa: BLE001  reported (after SIGCONT)

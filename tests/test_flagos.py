@@ -769,7 +769,7 @@ def rank_fsdp2_vs_ddp(tied: bool, ckpt_dir: str) -> dict:
     margin = {"loss": max(abs(a[0] - b[0]) for a, b in zip(ddp_log, fsdp_log)),
               "grad_norm": max(abs(a[1] - b[1]) for a, b in zip(ddp_log, fsdp_log)),
               "param": max((fsdp_msd[k] - v).abs().max().item() for k, v in ddp_msd.items())}
-    return {"losses": [l for l, _ in fsdp_log], "grad_norms": [g for _, g in fsdp_log], "max_abs_diff": margin,
+    return {"losses": [loss for loss, _ in fsdp_log], "grad_norms": [g for _, g in fsdp_log], "max_abs_diff": margin,
             "keys": sorted(ddp_msd), "ckpt_files": sorted(os.listdir(ckpt_dir)) if rank == 0 else None}
 
 

@@ -168,8 +168,9 @@ def test_transformers_style_harness_on_flagos():
     for res in spawn(child_harness, world_size, env=EMU_ENV, timeout=200):
         assert res["accelerator"] == "flagos" and res["backend"] == "gloo", res
         for mode in ("ddp", "fsdp2"):
-            assert torch.allclose(torch.tensor(res[mode]["losses"]), torch.tensor(expected["losses"]), **TOL), (mode, res)
-            assert torch.allclose(torch.tensor(res[mode]["norms"]), torch.tensor(expected["norms"]), **TOL), (mode, res)
+            for key in ("losses", "norms"):
+                got, want = torch.tensor(res[mode][key]), torch.tensor(expected[key])
+                assert torch.allclose(got, want, **TOL), (mode, key, res)
         assert res["reload_equal"], res
         assert res["cpu_group_backend"] == "ProcessGroupGloo", res
         assert res["cpu_group_sum"] == [3.0, 3.0], res

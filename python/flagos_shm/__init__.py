@@ -50,10 +50,11 @@ def register() -> None:
     """Register the ``"flagos_shm"`` backend with ``torch.distributed``.
 
     Called on import. Idempotent: a second call (or re-importing the package) keeps the
-    first registration and only re-asserts the device defaults. ``register_backend`` fills only missing ``device -> backend`` defaults,
-    so the ``flagos`` default is set explicitly: whether a vendor plugin (torch_fl) or the
-    emulator is imported before or after flagos_shm, ``flagos`` maps to flagos_shm (a plugin
-    imported later that remaps it on purpose wins). ``cpu`` stays with gloo.
+    first registration and only re-asserts the device defaults. ``register_backend`` fills
+    only missing ``device -> backend`` defaults, so the ``flagos`` default is set explicitly:
+    whether a vendor plugin (torch_fl) or the emulator is imported before or after
+    flagos_shm, ``flagos`` maps to flagos_shm (a plugin imported later that remaps it on
+    purpose wins). ``cpu`` stays with gloo.
 
     On torch >= 2.14 (the per-device route, :func:`flagos_shm.backend.uses_backend_route`)
     it also adjusts torch's ``BackendConfig`` (:mod:`flagos_shm.backend.device_map`):

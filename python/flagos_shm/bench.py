@@ -872,8 +872,8 @@ def plot(doc: dict, path: str) -> Optional[str]:
     fig, axes = plt.subplots(2, len(ops), figsize=(3.6 * len(ops) + 1.2, 7.2), squeeze=False)
     copy = doc.get("copy_baseline") or []
     all_sizes = sorted({r["size_bytes"] for r in doc["results"]})
-    ticks = [s for s in all_sizes if s in (4, 64, KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)] \
-        or all_sizes
+    marks = (4, 64, KiB, 16 * KiB, 64 * KiB, 256 * KiB, MiB, 16 * MiB, 64 * MiB, 256 * MiB)
+    ticks = [s for s in all_sizes if s in marks] or all_sizes
     for j, op in enumerate(ops):
         ax_bw, ax_t = axes[0][j], axes[1][j]
         for b in doc["config"]["backends"]:

@@ -40,6 +40,11 @@ status) when training failed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported in the functions that need it (fast --help)
+    import torch
+
 import argparse
 import hashlib
 import json
@@ -117,8 +122,11 @@ def load_data(seed: int):
     x_tr, x_te, y_tr, y_te = train_test_split(
         x, y, test_size=0.25, random_state=seed, stratify=y)
     scaler = StandardScaler().fit(x_tr)
-    as_x = lambda a: torch.from_numpy(scaler.transform(a).astype(np.float32))
-    as_y = lambda a: torch.from_numpy(a.astype(np.int64))
+    def as_x(a):
+        return torch.from_numpy(scaler.transform(a).astype(np.float32))
+
+    def as_y(a):
+        return torch.from_numpy(a.astype(np.int64))
     return as_x(x_tr), as_y(y_tr), as_x(x_te), as_y(y_te)
 
 

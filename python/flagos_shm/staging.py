@@ -90,7 +90,8 @@ class HostBuffer:
         torch_dtype: the caller tensor's dtype (complex stays complex), for validation.
     """
 
-    __slots__ = ("tensor", "host", "ptr", "numel", "dtype", "torch_dtype", "_write_back", "_pinned", "_event", "_stream")
+    __slots__ = ("tensor", "host", "ptr", "numel", "dtype", "torch_dtype", "_write_back", "_pinned", "_event",
+                 "_stream")
 
     def __init__(self, tensor, host: torch.Tensor, dtype: str, write_back: bool,
                  pinned: Optional[torch.Tensor] = None, stream: Optional[torch.Stream] = None):

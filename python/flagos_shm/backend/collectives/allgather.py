@@ -28,7 +28,8 @@ class Gathering(CollectiveBase):
                 output_tensors, input_tensors = [output_tensors], [input_tensors]
             a = self._args(opts, timeout=timeout)
             inp = staging.stage(options.single(input_tensors, "input_tensors"), "input_tensors[0]")
-            outs = options.tensor_list(options.single(output_tensors, "output_tensors"), "output_tensors[0]", self._world_size)
+            outs = options.tensor_list(options.single(output_tensors, "output_tensors"), "output_tensors[0]",
+                                       self._world_size)
             options.check_list(outs, "output_tensors[0]", inp, write=True)
             counts = [t.numel() for t in outs]
             if counts[self._rank] != inp.tensor.numel():

@@ -77,7 +77,8 @@ class Reduction(CollectiveBase):
             a = self._args(opts, "op", timeout=timeout)
             out = staging.stage(options.single(output_tensors, "output_tensors"), "output_tensors[0]",
                                 read=False, write=True)
-            ins = options.tensor_list(options.single(input_tensors, "input_tensors"), "input_tensors[0]", self._world_size)
+            ins = options.tensor_list(options.single(input_tensors, "input_tensors"), "input_tensors[0]",
+                                      self._world_size)
             options.check_list(ins, "input_tensors[0]", out, write=False)
             for i, t in enumerate(ins):
                 if t.numel() != out.tensor.numel():
