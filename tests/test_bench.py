@@ -166,7 +166,7 @@ def test_json_schema_and_values(run):
     assert copy_sizes == {k[3] for k in want}
     assert all(c["time_us_median"] > 0 and c["GBps"] > 0 for c in doc["copy_baseline"])
     calls = doc["overhead"]["calls"]
-    assert [c["call"] for c in calls] == ["dist.all_reduce", "ProcessGroupShm.allreduce().wait()",
+    assert [c["call"] for c in calls] == ["dist.all_reduce", "flagos_shm .allreduce()",
                                           "Communicator.allreduce", "dist.all_reduce(async_op=True).wait()"]
     assert all(c["time_us_median"] > 0 for c in calls)
     parts = doc["overhead"]["breakdown_us_median"]

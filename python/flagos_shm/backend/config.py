@@ -10,6 +10,9 @@ Variables:
     FLAGOS_SHM_ASYNC: ``0`` runs ``async_op=True`` collectives inline too.
     FLAGOS_SHM_ROUTE: ``auto`` (default), ``backend`` or ``process_group``: which c10d
         integration ``import flagos_shm`` registers (:mod:`flagos_shm.backend`).
+    FLAGOS_SHM_FLIGHT_RECORDER: ``1`` lets torch's generic flight-recorder hook (torch >=
+        2.15) record flagos_shm's collectives (off by default: it costs several
+        microseconds per call; :mod:`flagos_shm.backend.device_map`).
     FLAGOS_SHM_EXTEND_GLOO: ``0`` leaves ``backend="gloo"`` groups exactly as torch makes
         them; by default (torch >= 2.14) they also serve the PrivateUse1 device through
         flagos_shm (:mod:`flagos_shm.backend.device_map`).
@@ -26,6 +29,7 @@ ENV_SLOT_BYTES = "FLAGOS_SHM_SLOT_BYTES"
 ENV_ASYNC = "FLAGOS_SHM_ASYNC"
 ENV_ROUTE = "FLAGOS_SHM_ROUTE"
 ENV_EXTEND_GLOO = "FLAGOS_SHM_EXTEND_GLOO"
+ENV_FLIGHT_RECORDER = "FLAGOS_SHM_FLIGHT_RECORDER"
 DEFAULT_DIR = "/dev/shm"
 ROUTES = ("auto", "backend", "process_group")
 
@@ -47,6 +51,12 @@ def extend_gloo() -> bool:
     """``FLAGOS_SHM_EXTEND_GLOO`` (default on): whether ``backend="gloo"`` groups also
     serve the PrivateUse1 device type through flagos_shm (torch >= 2.14 only)."""
     return _flag(ENV_EXTEND_GLOO, True)
+
+
+def flight_recorder() -> bool:
+    """``FLAGOS_SHM_FLIGHT_RECORDER`` (default off): whether torch's generic flight-recorder
+    hook may record flagos_shm's collectives."""
+    return _flag(ENV_FLIGHT_RECORDER, False)
 
 
 def route() -> str:

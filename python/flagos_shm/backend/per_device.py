@@ -52,6 +52,8 @@ if _compat.HAS_PY_BACKEND:
             super().__init__(rank, world_size)
             self._setup(store, rank, world_size, timeout, group_name)
 
+        _sync_returns_none = True  # see CollectiveBase: saves the work holder per synchronous call
+
         def getBackendName(self) -> str:
             return BACKEND_NAME
 

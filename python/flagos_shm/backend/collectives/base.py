@@ -83,6 +83,11 @@ class CollectiveBase:
     its own: the adapters mix it into ``dist.ProcessGroup`` or ``c10d.Backend``."""
 
     _coalesced: Optional[list] = None  # the works issued since start_coalescing (Backend route)
+    #: A synchronous call that succeeded returns ``None`` (c10d's "the backend synchronised
+    #: at C++ level": ``dist.*`` then skips ``wait()``) and one that failed raises at once,
+    #: instead of returning a completed work. The per-device adapter sets this: on that
+    #: route a work costs a C++ holder and a trampoline call to ``wait()``.
+    _sync_returns_none = False
 
     # ---- set-up and lifetime ----------------------------------------------------------
 
@@ -203,8 +208,9 @@ class CollectiveBase:
 
     def _run(self, name: str, outputs: list, buffers: Sequence[staging.HostBuffer],
              calls: Sequence[Callable], opts=None, after: Optional[Callable[[], None]] = None,
-             can_async: bool = True) -> ShmWork:
-        """Issue the core calls of one collective and return its ShmWork.
+             can_async: bool = True) -> Optional[ShmWork]:
+        """Issue the core calls of one collective and return its ShmWork (``None`` for a
+        synchronous call that succeeded when ``_sync_returns_none``; it then raises on failure).
 
         Args:
             outputs: the caller's output tensors (the work's result).
@@ -223,14 +229,20 @@ class CollectiveBase:
         if can_async and self._async and getattr(opts, "asyncOp", False) is True:
             work = self._run_async(name, outputs, buffers, calls, after)
         else:
-            work = self._run_sync(name, outputs, buffers, calls, after)
+            error = self._run_inline(name, buffers, calls, after)
+            if self._sync_returns_none:
+                if error is not None:
+                    raise error
+                return None
+            work = ShmWork(outputs, error)
         if self._coalesced is not None:
             self._coalesced.append(work)
         return work
 
-    def _run_sync(self, name: str, outputs: list, buffers: Sequence[staging.HostBuffer],
-                  calls: Sequence[Callable], after: Optional[Callable[[], None]]) -> ShmWork:
-        """Run ``calls`` on this thread (after every earlier queued call of the group)."""
+    def _run_inline(self, name: str, buffers: Sequence[staging.HostBuffer], calls: Sequence[Callable],
+                    after: Optional[Callable[[], None]]) -> Optional[Exception]:
+        """Run ``calls`` on this thread (after every earlier queued call of the group);
+        return the error (with the group in its message), or ``None``."""
         try:
             with self._lock:
                 if self._closed:
@@ -241,8 +253,8 @@ class CollectiveBase:
                     after()
                 staging.finish(buffers)
         except Exception as exc:
-            return ShmWork(outputs, self._error(name, exc))
-        return ShmWork(outputs)
+            return self._error(name, exc)
+        return None
 
     def _run_async(self, name: str, outputs: list, buffers: Sequence[staging.HostBuffer],
                    calls: Sequence[Callable], after: Optional[Callable[[], None]]) -> ShmWork:
