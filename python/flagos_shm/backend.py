@@ -220,8 +220,10 @@ def _reduce_op(op) -> tuple[int, float]:
         raise ValueError(f"op: unsupported reduce op {op!r}")
     if code != PREMUL_SUM:
         return code, 1.0
+    from . import _compat  # torch 2.10 has no ReduceOp.factor
+
     try:
-        factor = op.factor
+        factor = _compat.premul_factor(op)
     except (AttributeError, RuntimeError):
         raise ValueError("op: PREMUL_SUM needs a factor; build the op with "
                          "torch.distributed._make_nccl_premul_sum(factor)") from None
