@@ -393,6 +393,137 @@ def test_torch_accelerator_api(built):
     assert out["peak_reset"] is True
 
 
+def test_memory_stats_follow_allocations(built):
+    """torch.flagos.memory_allocated & co. are the allocator's real numbers: a tensor raises
+    them by its bytes (numel * element_size; the allocator does not round), its free lowers
+    them again, each device counts on its own, and the peak resets to the current value."""
+    out = run_child("""
+    import flagos_shm.emulation as emu
+    emu.enable(2)
+    M = torch.flagos
+    M.set_device(1)
+    cases = []
+    for dtype, shape in [(torch.float32, (256,)), (torch.float16, (7, 13)),
+                         (torch.int64, (3, 5, 2)), (torch.bool, (1001,)),
+                         (torch.complex64, (9,)), (torch.float32, (0,))]:
+        base, base0 = M.memory_allocated(), M.memory_allocated(0)
+        t = torch.empty(shape, dtype=dtype, device="flagos")
+        expected = t.numel() * torch.empty((), dtype=dtype).element_size()
+        grown = M.memory_allocated()
+        peak = M.max_memory_allocated(1)
+        reserved = M.memory_reserved("flagos:1")
+        del t
+        cases.append([grown - base, expected, M.memory_allocated(1) - base,
+                      M.memory_allocated(0) - base0, peak >= grown, reserved == grown])
+    big = torch.empty(4096, device="flagos:1")
+    small = torch.empty(16, device="flagos:1")
+    del big
+    before_reset = M.max_memory_allocated()
+    M.reset_peak_memory_stats()
+    after_reset = [M.max_memory_allocated(), M.memory_allocated()]
+    M.reset_max_memory_allocated(1)
+    M.empty_cache()                          # nothing cached: nothing changes
+    stats = M.memory_stats(1)
+    acc = getattr(torch.accelerator, "memory_allocated", None)   # another path to the stats
+    free, total = M.mem_get_info()
+    emit({"cases": cases, "before_reset_ge": before_reset - after_reset[1] >= 4096 * 4,
+          "after_reset": after_reset[0] == after_reset[1],
+          "after_empty_cache": M.memory_allocated() == after_reset[1],
+          "stats": [stats["allocated_bytes.all.current"] == M.memory_allocated(1),
+                    stats["num_device_alloc"] - stats["num_device_free"]
+                    == stats["allocation.all.current"]],
+          "accelerator": None if acc is None else acc(1) == M.memory_allocated(1),
+          "mem_info": 0 < free <= total, "empty_cache": M.empty_cache() is None})
+    """)
+    for grown, expected, left, other_device, peak_ok, reserved_ok in out["cases"]:
+        assert grown == expected and left == 0 and other_device == 0
+        assert peak_ok and reserved_ok
+    assert out["before_reset_ge"] and out["after_reset"] and out["after_empty_cache"]
+    assert out["stats"] == [True, True]
+    assert out["accelerator"] in (True, None)
+    assert out["mem_info"] and out["empty_cache"]
+
+
+def test_manual_seed_reproducible(built):
+    """manual_seed/manual_seed_all make flagos draws repeat; a second seed differs; the draws
+    equal the CPU generator's (the emulated devices share it)."""
+    out = run_child("""
+    import flagos_shm.emulation as emu
+    emu.enable(2)
+    M = torch.flagos
+    def draw():
+        return torch.randn(8, device="flagos:1").cpu().tolist() + \\
+               torch.rand(3, device="flagos:0").cpu().tolist()
+    M.manual_seed(1234); a = draw()
+    M.manual_seed(1234); b = draw()
+    M.manual_seed_all(1234); c = draw()
+    M.manual_seed(4321); d = draw()
+    g = torch.Generator().manual_seed(1234)
+    ref = torch.randn(8, generator=g).tolist() + torch.rand(3, generator=g).tolist()
+    emit({"same": a == b == c, "other_seed_differs": a != d, "cpu_reference": a == ref,
+          "initial_seed": M.initial_seed()})
+    """)
+    assert out == {"same": True, "other_seed_differs": True, "cpu_reference": True,
+                   "initial_seed": 4321}
+
+
+DEVICE_SPEC = """\
+# A transformers device-spec file written for torch_fl (TRANSFORMERS_TEST_DEVICE_SPEC).
+import torch
+
+DEVICE_NAME = "flagos"
+MANUAL_SEED_FN = torch.flagos.manual_seed
+EMPTY_CACHE_FN = torch.flagos.empty_cache
+DEVICE_COUNT_FN = torch.flagos.device_count
+RESET_MAX_MEMORY_ALLOCATED_FN = torch.flagos.reset_max_memory_allocated
+MAX_MEMORY_ALLOCATED_FN = torch.flagos.max_memory_allocated
+MEMORY_ALLOCATED_FN = torch.flagos.memory_allocated
+RESET_PEAK_MEMORY_STATS_FN = torch.flagos.reset_peak_memory_stats
+SYNCHRONIZE_FN = torch.flagos.synchronize
+"""
+
+
+def test_torch_fl_device_spec_file_loads(built, tmp_path):
+    """The README's order (``import flagos_shm``, then ``flagos_shm.emulation.enable()``), then
+    a torch_fl device-spec file loaded unchanged, as transformers loads it (importlib by the
+    path without ``.py``, from its directory) and by file location; its functions work."""
+    (tmp_path / "flagos_spec.py").write_text(DEVICE_SPEC)
+    code = PRELUDE + textwrap.dedent("""
+    import importlib, importlib.util
+    import flagos_shm
+    enabled = flagos_shm.emulation.enable()
+    spec = importlib.import_module("flagos_spec")              # transformers' way
+    loc = importlib.util.spec_from_file_location("spec2", os.path.abspath("flagos_spec.py"))
+    spec2 = importlib.util.module_from_spec(loc); loc.loader.exec_module(spec2)
+    spec.MANUAL_SEED_FN(7); a = torch.randn(5, device=spec.DEVICE_NAME).cpu()
+    spec.MANUAL_SEED_FN(7); b = torch.randn(5, device=spec.DEVICE_NAME).cpu()
+    spec.RESET_PEAK_MEMORY_STATS_FN()
+    base = spec.MEMORY_ALLOCATED_FN()
+    t = torch.empty(100, dtype=torch.float64, device="flagos")
+    grown = spec.MEMORY_ALLOCATED_FN() - base
+    peak = spec.MAX_MEMORY_ALLOCATED_FN() - base
+    del t
+    spec.RESET_MAX_MEMORY_ALLOCATED_FN()
+    emit({"enabled": enabled, "name": spec.DEVICE_NAME, "count": spec.DEVICE_COUNT_FN(),
+          "same_fns": spec2.DEVICE_COUNT_FN is spec.DEVICE_COUNT_FN,
+          "seeded": torch.equal(a, b), "empty_cache": spec.EMPTY_CACHE_FN(),
+          "sync": spec.SYNCHRONIZE_FN(), "memory": [grown, peak, spec.MEMORY_ALLOCATED_FN() - base,
+          spec.MAX_MEMORY_ALLOCATED_FN() - base],
+          "available": torch.flagos.is_available(), "kind": type(torch.flagos.Stream()).__name__,
+          "stream_ctx": type(torch.flagos.stream(torch.flagos.Stream())).__name__,
+          "event": type(torch.flagos.Event()).__name__})
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=CHILD_TIMEOUT, env=_child_env(), cwd=str(tmp_path))
+    assert proc.returncode == 0, f"child failed:\n{proc.stdout}\n{proc.stderr}"
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT:")][-1]
+    out = json.loads(line[len("RESULT:"):])
+    assert out == {"enabled": True, "name": "flagos", "count": 8, "same_fns": True,
+                   "seeded": True, "empty_cache": None, "sync": None,
+                   "memory": [800, 800, 0, 0], "available": True, "kind": "Stream",
+                   "stream_ctx": "StreamContext", "event": "Event"}
+
+
 def test_mlp_training_matches_cpu(built):
     out = run_child("""
     import copy

@@ -22,6 +22,7 @@ from importlib import metadata as _metadata
 import torch.distributed as _dist
 
 from . import _core  # noqa: F401  (fail at import time when the extension is missing)
+from . import emulation  # noqa: F401  (flagos_shm.emulation.enable() after import flagos_shm)
 from .backend import BACKEND_NAME, ProcessGroupShm, ShmBackend, create_backend, uses_backend_route
 from .backend import device_map as _device_map
 from .work import ShmWork
@@ -77,6 +78,4 @@ def register() -> None:
 register()
 
 if _os.environ.get(ENV_EMULATE, "").strip() in ("1", "true", "yes"):
-    from . import emulation as _emulation
-
-    _emulation.enable()
+    emulation.enable()

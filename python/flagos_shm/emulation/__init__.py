@@ -17,7 +17,7 @@ What it gives (after ``enable(n)``):
 * pinned host memory (``torch.empty(..., pin_memory=True)``,
   ``t.pin_memory()``, ``t.is_pinned()``) from an ``at::HostAllocator``;
 * ``untyped_storage().resize_()`` on flagos storage (as FSDP2 does);
-* ``torch.flagos`` with devices, streams, events, seeds (see
+* ``torch.flagos`` with devices, streams, events, seeds, memory statistics (see
   :mod:`flagos_shm.emulation._device`); ``torch.accelerator`` reports flagos.
 
 Limits: all work is synchronous (streams and events only carry identities);

@@ -361,6 +361,79 @@ class Event(torch.Event):
         super().wait(stream)
 
 
+# ------------------------------------------------------------------ memory
+# The emulator's device allocator (csrc/flagos_emu.cpp) hands out exactly the
+# bytes a storage asks for (no rounding, no caching): a tensor of ``nbytes``
+# raises memory_allocated by ``nbytes`` and its free lowers it again, and
+# reserved memory always equals allocated memory.
+
+#: Names of the allocator's statistics, in the order ``flagos_emu.memory_stats`` returns them.
+_STAT_NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes",
+               "reserved_bytes", "active_bytes", "inactive_split_bytes", "requested_bytes")
+_STAT_FIELDS = ("current", "peak", "allocated", "freed")
+
+
+def memory_stats(device: _DeviceLike = None) -> dict[str, int]:
+    """Allocator statistics of ``device``, keyed as ``torch.cuda.memory_stats``
+    (``"allocated_bytes.all.current"`` etc.; only the ``all`` pool)."""
+    raw = [int(v) for v in _ops().memory_stats(_get_device_index(device))]
+    stats: dict[str, int] = {}
+    for i, name in enumerate(_STAT_NAMES):
+        for j, field in enumerate(_STAT_FIELDS):
+            stats[f"{name}.all.{field}"] = raw[4 * i + j]
+    stats["num_device_alloc"], stats["num_device_free"] = raw[-2], raw[-1]
+    stats["num_alloc_retries"] = stats["num_ooms"] = 0
+    return dict(sorted(stats.items()))
+
+
+def memory_allocated(device: _DeviceLike = None) -> int:
+    """Bytes held by live flagos tensors on ``device``."""
+    return memory_stats(device)["allocated_bytes.all.current"]
+
+
+def max_memory_allocated(device: _DeviceLike = None) -> int:
+    """Peak of :func:`memory_allocated` since start or the last peak reset."""
+    return memory_stats(device)["allocated_bytes.all.peak"]
+
+
+def memory_reserved(device: _DeviceLike = None) -> int:
+    """Bytes reserved by the allocator: equal to :func:`memory_allocated` (no cache)."""
+    return memory_stats(device)["reserved_bytes.all.current"]
+
+
+def max_memory_reserved(device: _DeviceLike = None) -> int:
+    return memory_stats(device)["reserved_bytes.all.peak"]
+
+
+def reset_peak_memory_stats(device: _DeviceLike = None) -> None:
+    """Set every peak statistic of ``device`` to its current value."""
+    _ops().reset_peak_memory_stats(_get_device_index(device))
+
+
+def reset_max_memory_allocated(device: _DeviceLike = None) -> None:
+    """Same as :func:`reset_peak_memory_stats` (as in ``torch.cuda``)."""
+    reset_peak_memory_stats(device)
+
+
+def reset_max_memory_cached(device: _DeviceLike = None) -> None:
+    reset_peak_memory_stats(device)
+
+
+def reset_accumulated_memory_stats(device: _DeviceLike = None) -> None:
+    """Zero the accumulated (``allocated``/``freed``) counts of ``device``."""
+    _ops().reset_accumulated_memory_stats(_get_device_index(device))
+
+
+def empty_cache() -> None:
+    """Release cached memory: nothing to do, the allocator caches nothing."""
+
+
+def mem_get_info(device: _DeviceLike = None) -> tuple[int, int]:
+    """(free, total) bytes: host RAM, since device memory is host memory."""
+    free, total = _ops().mem_get_info(_get_device_index(device))
+    return int(free), int(total)
+
+
 # --------------------------------------------------------------------- RNG
 # All emulated devices run random ops on the host and draw from the CPU
 # default generator, so these functions act on torch.default_generator.

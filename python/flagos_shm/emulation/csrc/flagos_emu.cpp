@@ -54,6 +54,7 @@
 #include <map>
 #include <mutex>
 #include <optional>
+#include <vector>
 
 namespace flagos_emu {
 
@@ -584,6 +585,34 @@ TORCH_LIBRARY(flagos_emu, m) {
   m.def("device_of_ptr(int ptr) -> int", [](int64_t p) -> int64_t {
     auto d = g_device_alloc.device_of(reinterpret_cast<void*>(p));
     return d.has_value() ? *d : -1;
+  });
+  // Allocator statistics of one device for torch.flagos.memory_stats and
+  // friends (the module must not go through torch.accelerator, which calls it).
+  // Layout: for each of kStatNames (aggregate pool) current, peak, allocated,
+  // freed; then num_device_alloc, num_device_free.
+  m.def("memory_stats(int index) -> int[]", [](int64_t i) -> std::vector<int64_t> {
+    check_index(i);
+    const auto s = g_device_alloc.getDeviceStats(static_cast<DeviceIndex>(i));
+    std::vector<int64_t> out;
+    for (const auto* a : {&s.allocation, &s.segment, &s.active, &s.inactive_split,
+                          &s.allocated_bytes, &s.reserved_bytes, &s.active_bytes,
+                          &s.inactive_split_bytes, &s.requested_bytes}) {
+      const auto& st = (*a)[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+      out.insert(out.end(), {st.current, st.peak, st.allocated, st.freed});
+    }
+    out.push_back(s.num_device_alloc);
+    out.push_back(s.num_device_free);
+    return out;
+  });
+  m.def("reset_peak_memory_stats(int index) -> ()", [](int64_t i) {
+    g_device_alloc.resetPeakStats(static_cast<DeviceIndex>(i));
+  });
+  m.def("reset_accumulated_memory_stats(int index) -> ()", [](int64_t i) {
+    g_device_alloc.resetAccumulatedStats(static_cast<DeviceIndex>(i));
+  });
+  m.def("mem_get_info(int index) -> int[]", [](int64_t i) -> std::vector<int64_t> {
+    const auto [free, total] = g_device_alloc.getMemoryInfo(static_cast<DeviceIndex>(i));
+    return {static_cast<int64_t>(free), static_cast<int64_t>(total)};
   });
 }
 
