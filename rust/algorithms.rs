@@ -28,6 +28,7 @@
 //!   rank r reduces (alltoall: copies) piece r from every slot. scatter: the root copies
 //!   the chunk of each piece in, rank r copies piece r out.
 
+use crate::buffer::Buf;
 use crate::cma;
 use crate::error::{Error, Result};
 use crate::reduce::{reduce_raw, DType, ReduceOp, Reduction};
@@ -557,7 +558,126 @@ impl Communicator {
         Ok(())
     }
 
-    // ----- collectives -------------------------------------------------------------
+    // ----- collectives: the public, bounds-checked face -----------------------------
+    // Each checks every buffer it uses on this rank against what the call moves (see
+    // `Buf::check`) before touching anything. A buffer that is too small (or null,
+    // misaligned, read-only where written) makes this rank join the call's position of
+    // the sequence as a failing rank (peers raise `Mismatch` naming it, as after `fail`)
+    // and return `InvalidArgument` naming the argument; nothing is written.
+
+    /// Joins the sequence as a rank that rejected its arguments and returns `e`.
+    fn reject(&mut self, kind: Kind, e: Error) -> Result<()> {
+        // Peers learn it at once; if even that fails (group broken, timeout), the
+        // caller's mistake is still the error that matters.
+        let _ = self.fail(Some(kind));
+        Err(e)
+    }
+
+    /// In-place allreduce of `count` elements of `dtype` in `buf` (`nbytes`).
+    pub fn allreduce(&mut self, buf: Buf<'_>, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
+        self.reduction(dtype, op, factor)?;
+        if let Err(e) = buf.check("nbytes", count, dtype.size(), 1, true) {
+            return self.reject(Kind::Allreduce, e);
+        }
+        // SAFETY: `buf` is valid for reads and writes of its length (`Buf` contract),
+        // which the check above showed holds `count` aligned elements.
+        unsafe { self.allreduce_ptrs(buf.as_mut_ptr(), count, dtype, op, factor) }
+    }
+
+    /// In-place broadcast of `count` elements of `dtype` in `buf` (`nbytes`) from group
+    /// rank `root`: read on the root, written elsewhere.
+    pub fn broadcast(&mut self, buf: Buf<'_>, count: usize, dtype: DType, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        if let Err(e) = buf.check("nbytes", count, dtype.size(), 1, self.rank != root) {
+            return self.reject(Kind::Broadcast, e);
+        }
+        // SAFETY: as in `allreduce`; the root only reads `buf`.
+        unsafe { self.broadcast_ptrs(buf.as_ptr() as *mut u8, count, dtype, root) }
+    }
+
+    /// In-place reduce of `count` elements in `buf` (`nbytes`) to group rank `root`;
+    /// only the root's buffer is written.
+    pub fn reduce(&mut self, buf: Buf<'_>, count: usize, dtype: DType, op: ReduceOp, factor: f64, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        self.reduction(dtype, op, factor)?;
+        if let Err(e) = buf.check("nbytes", count, dtype.size(), 1, self.rank == root) {
+            return self.reject(Kind::Reduce, e);
+        }
+        // SAFETY: as in `allreduce`; non-roots only read `buf`.
+        unsafe { self.reduce_ptrs(buf.as_ptr() as *mut u8, count, dtype, op, factor, root) }
+    }
+
+    /// Allgather: `input` (`in_nbytes`) holds `count` elements; `output` (`out_nbytes`)
+    /// receives `n * count`, rank r's at `[r * count, (r + 1) * count)`. `input` may be
+    /// this rank's piece of `output`.
+    pub fn allgather(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType) -> Result<()> {
+        let es = dtype.size();
+        if let Err(e) = input.check("in_nbytes", count, es, 1, false).and(output.check("out_nbytes", count, es, self.n, true)) {
+            return self.reject(Kind::Allgather, e);
+        }
+        // SAFETY: both buffers are valid for their checked lengths (`Buf` contract).
+        unsafe { self.allgather_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype) }
+    }
+
+    /// Gather to `root`: `input` holds `count` elements; the root's `output` receives
+    /// `n * count` (non-roots may pass an empty `output`, which is not touched).
+    pub fn gather(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        let es = dtype.size();
+        let out_ok = if self.rank == root { output.check("out_nbytes", count, es, self.n, true) } else { Ok(()) };
+        if let Err(e) = input.check("in_nbytes", count, es, 1, false).and(out_ok) {
+            return self.reject(Kind::Gather, e);
+        }
+        // SAFETY: as in `allgather`; non-roots never touch `output`.
+        unsafe { self.gather_ptrs(input.as_ptr(), output.as_ptr() as *mut u8, count, dtype, root) }
+    }
+
+    /// Scatter from `root`: the root's `input` holds `n * count` elements (non-roots may
+    /// pass an empty one); rank r receives piece r in `output` (`count` elements).
+    pub fn scatter(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        let es = dtype.size();
+        let in_ok = if self.rank == root { input.check("in_nbytes", count, es, self.n, false) } else { Ok(()) };
+        if let Err(e) = in_ok.and(output.check("out_nbytes", count, es, 1, true)) {
+            return self.reject(Kind::Scatter, e);
+        }
+        // SAFETY: as in `allgather`; non-roots never touch `input`.
+        unsafe { self.scatter_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype, root) }
+    }
+
+    /// Reduce-scatter: `input` holds `n * count` elements; `output` (`count` elements)
+    /// receives the reduction over ranks of piece `rank`.
+    pub fn reduce_scatter(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
+        self.reduction(dtype, op, factor)?;
+        let es = dtype.size();
+        if let Err(e) = input.check("in_nbytes", count, es, self.n, false).and(output.check("out_nbytes", count, es, 1, true)) {
+            return self.reject(Kind::ReduceScatter, e);
+        }
+        // SAFETY: as in `allgather`.
+        unsafe { self.reduce_scatter_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype, op, factor) }
+    }
+
+    /// All-to-all: `input` and `output` hold `n * count` elements each and must not
+    /// overlap; piece q of this rank's input goes to rank q, and rank q's piece `rank`
+    /// lands in output piece q.
+    pub fn alltoall(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType) -> Result<()> {
+        let es = dtype.size();
+        let mut ok = input.check("in_nbytes", count, es, self.n, false).and(output.check("out_nbytes", count, es, self.n, true));
+        let bytes = count * es * self.n; // no overflow: checked above when `ok`
+        if ok.is_ok() && bytes > 0 {
+            let (i, o) = (input.as_ptr() as usize, output.as_ptr() as usize);
+            if i < o + bytes && o < i + bytes {
+                ok = Err(Error::InvalidArgument("out_ptr: the output of alltoall overlaps its input".into()));
+            }
+        }
+        if let Err(e) = ok {
+            return self.reject(Kind::Alltoall, e);
+        }
+        // SAFETY: as in `allgather`; the ranges do not overlap (checked above).
+        unsafe { self.alltoall_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype) }
+    }
+
+    // ----- collectives: the algorithms ----------------------------------------------
     // Safety contract shared by every `unsafe fn` below: each pointer argument that the
     // method's doc says is used on this rank must be valid for reads (inputs) or writes
     // (outputs) of the stated number of elements of `dtype`, aligned to the element size,
@@ -582,7 +702,7 @@ impl Communicator {
     ///
     /// # Safety
     /// See the contract above; `buf`: `count` elements, read and written.
-    pub unsafe fn allreduce(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
+    unsafe fn allreduce_ptrs(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
         let red = self.reduction(dtype, op, factor)?;
         let d = self.begin(Kind::Allreduce, dtype, Some(&red), count, 0)?;
         let es = dtype.size();
@@ -641,7 +761,7 @@ impl Communicator {
     ///
     /// # Safety
     /// See the contract above; `buf`: `count` elements, read on the root, written elsewhere.
-    pub unsafe fn broadcast(&mut self, buf: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
+    unsafe fn broadcast_ptrs(&mut self, buf: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
         self.check_root(root)?;
         let d = self.begin(Kind::Broadcast, dtype, None, count, root)?;
         let es = dtype.size();
@@ -669,7 +789,7 @@ impl Communicator {
     ///
     /// # Safety
     /// See the contract above; `buf`: `count` elements, read everywhere, written on root.
-    pub unsafe fn reduce(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64, root: usize) -> Result<()> {
+    unsafe fn reduce_ptrs(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64, root: usize) -> Result<()> {
         self.check_root(root)?;
         let red = self.reduction(dtype, op, factor)?;
         let d = self.begin(Kind::Reduce, dtype, Some(&red), count, root)?;
@@ -734,7 +854,7 @@ impl Communicator {
     ///
     /// # Safety
     /// See the contract above; `input`: `count` elements; `output`: `n * count`.
-    pub unsafe fn allgather(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType) -> Result<()> {
+    unsafe fn allgather_ptrs(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType) -> Result<()> {
         self.gather_impl(input, output, count, dtype, None)
     }
 
@@ -742,7 +862,7 @@ impl Communicator {
     ///
     /// # Safety
     /// See the contract above; `input`: `count` elements; `output` (root only): `n * count`.
-    pub unsafe fn gather(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
+    unsafe fn gather_ptrs(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
         self.gather_impl(input, output, count, dtype, Some(root))
     }
 
@@ -752,7 +872,7 @@ impl Communicator {
     ///
     /// # Safety
     /// See the contract above.
-    pub unsafe fn scatter(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
+    unsafe fn scatter_ptrs(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
         self.check_root(root)?;
         let d = self.begin(Kind::Scatter, dtype, None, count, root)?;
         let es = dtype.size();
@@ -818,7 +938,7 @@ impl Communicator {
     ///
     /// # Safety
     /// See the contract above.
-    pub unsafe fn reduce_scatter(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
+    unsafe fn reduce_scatter_ptrs(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
         let red = self.reduction(dtype, op, factor)?;
         self.exchange(input, output, count, dtype, Some(red))
     }
@@ -828,7 +948,7 @@ impl Communicator {
     ///
     /// # Safety
     /// See the contract above; `input` and `output` must not overlap.
-    pub unsafe fn alltoall(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType) -> Result<()> {
+    unsafe fn alltoall_ptrs(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType) -> Result<()> {
         self.exchange(input, output, count, dtype, None)
     }
 

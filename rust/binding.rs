@@ -1,8 +1,10 @@
 //! PyO3 binding: the extension module `flagos_shm._core`.
 //!
-//! Buffers are passed as raw addresses (`tensor.data_ptr()`) and element counts, so the
-//! Python side copies nothing; the Python layer (`flagos_shm.staging`) guarantees that
-//! each address points to contiguous host memory of the stated dtype and length, and keeps
+//! Buffers are passed as raw addresses (`tensor.data_ptr()`), each followed by its length
+//! in bytes, plus an element count, so the Python side copies nothing. The core checks
+//! the count against every byte length (`ValueError` naming the argument otherwise,
+//! before anything is written); the Python layer (`flagos_shm.staging`) guarantees that
+//! each address and length describe contiguous host memory, and keeps
 //! the tensor alive for the call (for a call given a `done` callback: until the callback
 //! has been called). Every collective releases the GIL for its whole
 //! duration; while it waits it re-takes the GIL briefly every few milliseconds only to
@@ -15,6 +17,7 @@
 //! raised) when interrupted.
 
 use crate::algorithms::{AbortHandle, Communicator, Kind, ONE_SHOT_MAX_BYTES};
+use crate::buffer::Buf;
 use crate::error::Error;
 use crate::progress::{self, Progress};
 use crate::reduce::{DType, ReduceOp};
@@ -56,14 +59,21 @@ fn reduce_op(code: u32) -> PyResult<ReduceOp> {
     ReduceOp::from_code(code).map_err(|e| to_py(e, None))
 }
 
-fn need_ptr(name: &str, ptr: usize, numel: usize, es: usize) -> PyResult<()> {
-    if numel > 0 && ptr == 0 {
-        return Err(PyValueError::new_err(format!("{name}: null buffer address for {numel} elements")));
+/// The one place where caller memory becomes a [`Buf`]: `nbytes` bytes at address `ptr`
+/// (argument `name`). The core checks every count against `nbytes`; here only the range
+/// itself is checked (not null when non-empty, no wrap-around).
+fn host_buf(name: &str, ptr: usize, nbytes: usize) -> PyResult<Buf<'static>> {
+    if nbytes > 0 && ptr == 0 {
+        return Err(PyValueError::new_err(format!("{name}: null buffer address for {nbytes} bytes")));
     }
-    if ptr % es != 0 {
-        return Err(PyValueError::new_err(format!("{name}: address {ptr:#x} is not aligned to the element size {es}")));
+    if ptr.checked_add(nbytes).is_none_or(|end| end > isize::MAX as usize) {
+        return Err(PyValueError::new_err(format!("{name}: {nbytes} bytes at {ptr:#x} wrap around the address space")));
     }
-    Ok(())
+    // SAFETY: binding contract (module docs): the Python layer passes the address and byte
+    // length of live, contiguous host memory (a tensor's storage) that it keeps alive and
+    // leaves alone until the call returns or, for a queued call, until its `done` callback
+    // has been called. The core never accesses more than `nbytes` bytes from `ptr`.
+    Ok(unsafe { Buf::from_raw_parts(ptr as *mut u8, nbytes) })
 }
 
 /// Creates a shared-memory segment for `world_size` ranks with `slot_bytes` per chunk
@@ -100,7 +110,8 @@ fn segment_bytes(world_size: usize, slot_bytes: usize) -> PyResult<usize> {
 /// `path`, checks its header, waits until all `world_size` ranks attached (at most
 /// `timeout_s` seconds; `RuntimeError` at once if a rank whose process id is in
 /// `peer_pids`, a list indexed by rank with 0 for unknown, exits before attaching) and
-/// unlinks the file. Collectives take buffer addresses and element counts; `dtype` is
+/// unlinks the file. Collectives take buffer addresses, each followed by its length in
+/// bytes, and element counts; `dtype` is
 /// a torch dtype name, `op` torch's `RedOpType` number, `factor` PREMUL_SUM's factor,
 /// `timeout_s` overrides the communicator's timeout for one call.
 #[pyclass(name = "Communicator", module = "flagos_shm._core")]
@@ -262,96 +273,82 @@ impl PyCommunicator {
         self.run(py, timeout_s, |c| c.fail(kind))
     }
 
-    /// In-place allreduce of `numel` elements at address `ptr`.
-    #[pyo3(signature = (ptr, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
-    fn allreduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
-        let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
-        need_ptr("ptr", ptr, numel, dt.size())?;
-        // SAFETY: the Python layer passes the address of a live contiguous host tensor of
-        // `numel` elements of `dtype` (binding contract, module docs).
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.allreduce(ptr as *mut u8, numel, dt, op, factor) })
-    }
-
-    /// In-place broadcast of `numel` elements at `ptr` from group rank `root`.
-    #[pyo3(signature = (ptr, numel, dtype, root, timeout_s=None, done=None))]
-    fn broadcast(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
-        let dt = self::dtype(dtype)?;
-        need_ptr("ptr", ptr, numel, dt.size())?;
-        // SAFETY: binding contract (module docs).
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.broadcast(ptr as *mut u8, numel, dt, root) })
-    }
-
-    /// In-place reduce of `numel` elements at `ptr` to group rank `root` (only the root's
-    /// buffer is written).
-    #[pyo3(signature = (ptr, numel, dtype, op, root, factor=1.0, timeout_s=None, done=None))]
+    /// In-place allreduce of `numel` elements in the `nbytes` bytes at address `ptr`.
+    #[pyo3(signature = (ptr, nbytes, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, root: usize, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn allreduce(&self, py: Python<'_>, ptr: usize, nbytes: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
-        need_ptr("ptr", ptr, numel, dt.size())?;
-        // SAFETY: binding contract (module docs).
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.reduce(ptr as *mut u8, numel, dt, op, factor, root) })
+        let b = host_buf("ptr", ptr, nbytes)?;
+        self.dispatch(py, timeout_s, done, move |c| c.allreduce(b, numel, dt, op, factor))
+    }
+
+    /// In-place broadcast of `numel` elements at `ptr` (`nbytes`) from group rank `root`.
+    #[pyo3(signature = (ptr, nbytes, numel, dtype, root, timeout_s=None, done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn broadcast(&self, py: Python<'_>, ptr: usize, nbytes: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+        let dt = self::dtype(dtype)?;
+        let b = host_buf("ptr", ptr, nbytes)?;
+        self.dispatch(py, timeout_s, done, move |c| c.broadcast(b, numel, dt, root))
+    }
+
+    /// In-place reduce of `numel` elements at `ptr` (`nbytes`) to group rank `root` (only
+    /// the root's buffer is written).
+    #[pyo3(signature = (ptr, nbytes, numel, dtype, op, root, factor=1.0, timeout_s=None, done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce(&self, py: Python<'_>, ptr: usize, nbytes: usize, numel: usize, dtype: &str, op: u32, root: usize, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+        let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
+        let b = host_buf("ptr", ptr, nbytes)?;
+        self.dispatch(py, timeout_s, done, move |c| c.reduce(b, numel, dt, op, factor, root))
     }
 
     /// Allgather: `in_ptr` holds `numel` elements, `out_ptr` receives `world_size * numel`
     /// (rank r's at `[r * numel, (r + 1) * numel)`).
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, timeout_s=None, done=None))]
-    fn allgather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, timeout_s=None, done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn allgather(&self, py: Python<'_>, in_ptr: usize, in_nbytes: usize, out_ptr: usize, out_nbytes: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
-        need_ptr("in_ptr", in_ptr, numel, dt.size())?;
-        need_ptr("out_ptr", out_ptr, numel, dt.size())?;
-        // SAFETY: binding contract (module docs).
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.allgather(in_ptr as *const u8, out_ptr as *mut u8, numel, dt) })
+        let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
+        self.dispatch(py, timeout_s, done, move |c| c.allgather(i, o, numel, dt))
     }
 
     /// Reduce-scatter: `in_ptr` holds `world_size * numel` elements, `out_ptr` receives
     /// the `numel`-element reduction of piece `rank`.
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
+    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn reduce_scatter(&self, py: Python<'_>, in_ptr: usize, in_nbytes: usize, out_ptr: usize, out_nbytes: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
-        need_ptr("in_ptr", in_ptr, numel, dt.size())?;
-        need_ptr("out_ptr", out_ptr, numel, dt.size())?;
-        // SAFETY: binding contract (module docs).
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.reduce_scatter(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, op, factor) })
+        let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
+        self.dispatch(py, timeout_s, done, move |c| c.reduce_scatter(i, o, numel, dt, op, factor))
     }
 
     /// Gather to `root`: `in_ptr` holds `numel` elements; the root's `out_ptr` receives
-    /// `world_size * numel` (non-roots pass 0).
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, root, timeout_s=None, done=None))]
+    /// `world_size * numel` (non-roots pass 0, 0).
+    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, root, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn gather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn gather(&self, py: Python<'_>, in_ptr: usize, in_nbytes: usize, out_ptr: usize, out_nbytes: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
-        need_ptr("in_ptr", in_ptr, numel, dt.size())?;
-        if root == self.rank {
-            need_ptr("out_ptr", out_ptr, numel, dt.size())?;
-        }
-        // SAFETY: binding contract (module docs); non-roots never touch out_ptr.
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.gather(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, root) })
+        let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
+        self.dispatch(py, timeout_s, done, move |c| c.gather(i, o, numel, dt, root))
     }
 
     /// Scatter from `root`: the root's `in_ptr` holds `world_size * numel` elements
-    /// (non-roots pass 0); `out_ptr` receives this rank's `numel`-element piece.
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, root, timeout_s=None, done=None))]
+    /// (non-roots pass 0, 0); `out_ptr` receives this rank's `numel`-element piece.
+    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, root, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn scatter(&self, py: Python<'_>, in_ptr: usize, in_nbytes: usize, out_ptr: usize, out_nbytes: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
-        if root == self.rank {
-            need_ptr("in_ptr", in_ptr, numel, dt.size())?;
-        }
-        need_ptr("out_ptr", out_ptr, numel, dt.size())?;
-        // SAFETY: binding contract (module docs); non-roots never touch in_ptr.
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.scatter(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, root) })
+        let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
+        self.dispatch(py, timeout_s, done, move |c| c.scatter(i, o, numel, dt, root))
     }
 
     /// All-to-all: `in_ptr` and `out_ptr` hold `world_size * numel` elements each (must
     /// not overlap); input piece q goes to rank q, rank q's piece lands in output piece q.
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, timeout_s=None, done=None))]
-    fn alltoall(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, timeout_s=None, done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn alltoall(&self, py: Python<'_>, in_ptr: usize, in_nbytes: usize, out_ptr: usize, out_nbytes: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
-        need_ptr("in_ptr", in_ptr, numel, dt.size())?;
-        need_ptr("out_ptr", out_ptr, numel, dt.size())?;
-        // SAFETY: binding contract (module docs).
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.alltoall(in_ptr as *const u8, out_ptr as *mut u8, numel, dt) })
+        let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
+        self.dispatch(py, timeout_s, done, move |c| c.alltoall(i, o, numel, dt))
     }
 
     /// Blocks (GIL released) until the call that returned `ticket` has completed and its

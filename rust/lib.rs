@@ -7,6 +7,7 @@
 //! (PyO3, feature `python`).
 
 pub mod algorithms;
+pub mod buffer;
 pub mod cma;
 pub mod error;
 pub mod progress;
@@ -18,5 +19,6 @@ pub mod sync;
 mod binding;
 
 pub use algorithms::{Communicator, Kind};
+pub use buffer::Buf;
 pub use error::{Error, Result};
 pub use reduce::{DType, ReduceOp, Reduction};

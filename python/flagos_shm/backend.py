@@ -556,7 +556,7 @@ class ProcessGroupShm(dist.ProcessGroup):
             _check_op(a.op, buf, "tensors[0]")
         comm = self._comm
         return self._run(name, [buf.tensor], [buf], [lambda done: comm.allreduce(
-            buf.ptr, buf.numel, buf.dtype, a.op, a.factor, a.timeout_s, done)], opts)
+            buf.ptr, buf.nbytes, buf.numel, buf.dtype, a.op, a.factor, a.timeout_s, done)], opts)
 
     def allreduce_coalesced(self, tensors, opts=None) -> ShmWork:
         """Reduce each tensor of ``tensors`` (one dtype) in place; one collective per tensor."""
@@ -570,7 +570,8 @@ class ProcessGroupShm(dist.ProcessGroup):
             for buf, arg in zip(bufs, args):
                 _check_op(a.op, buf, arg)
         comm = self._comm
-        calls = [lambda done, b=buf: comm.allreduce(b.ptr, b.numel, b.dtype, a.op, a.factor, a.timeout_s, done)
+        calls = [lambda done, b=buf: comm.allreduce(b.ptr, b.nbytes, b.numel, b.dtype, a.op, a.factor,
+                                                     a.timeout_s, done)
                  for buf in bufs]
         return self._run(name, tensors, bufs, calls, opts)
 
@@ -589,7 +590,7 @@ class ProcessGroupShm(dist.ProcessGroup):
             buf = staging.stage(_single(tensors, "tensors"), "tensors[0]", read=is_root, write=not is_root)
         comm = self._comm
         return self._run(name, [buf.tensor], [buf], [lambda done: comm.broadcast(
-            buf.ptr, buf.numel, buf.dtype, a.root, a.timeout_s, done)], opts)
+            buf.ptr, buf.nbytes, buf.numel, buf.dtype, a.root, a.timeout_s, done)], opts)
 
     def reduce(self, tensors, opts=None, op=None, timeout=None) -> ShmWork:
         """Reduce every rank's ``tensors[0]`` into the root's ``tensors[0]`` (others unchanged).
@@ -605,7 +606,7 @@ class ProcessGroupShm(dist.ProcessGroup):
             _check_op(a.op, buf, "tensors[0]")
         comm = self._comm
         return self._run(name, [buf.tensor], [buf], [lambda done: comm.reduce(
-            buf.ptr, buf.numel, buf.dtype, a.op, a.root, a.factor, a.timeout_s, done)], opts)
+            buf.ptr, buf.nbytes, buf.numel, buf.dtype, a.op, a.root, a.factor, a.timeout_s, done)], opts)
 
     # ---- allgather ----------------------------------------------------------------------
 
@@ -633,8 +634,8 @@ class ProcessGroupShm(dist.ProcessGroup):
         comm, n, count = self._comm, self._world_size, max(counts)
         src = inp if inp.tensor.numel() == count else staging.pack([inp.host], count)
         dst = staging.scratch(n * count, inp.torch_dtype)
-        return self._run(name, outs, [], [lambda done: comm.allgather(src.ptr, dst.ptr, src.numel, src.dtype,
-                                                                      a.timeout_s, done)],
+        return self._run(name, outs, [], [lambda done: comm.allgather(src.ptr, src.nbytes, dst.ptr, dst.nbytes,
+                                                                      src.numel, src.dtype, a.timeout_s, done)],
                          opts, after=lambda: staging.unpack(dst, outs, count))
 
     @staticmethod
@@ -658,7 +659,7 @@ class ProcessGroupShm(dist.ProcessGroup):
                                  f"{inp.tensor.numel()} elements, got {output.numel()}")
         comm = self._comm
         return self._run(name, [output], [out], [lambda done: comm.allgather(
-            inp.ptr, out.ptr, inp.numel, inp.dtype, a.timeout_s, done)], opts)
+            inp.ptr, inp.nbytes, out.ptr, out.nbytes, inp.numel, inp.dtype, a.timeout_s, done)], opts)
 
     _allgather_base = all_gather_single
 
@@ -683,8 +684,8 @@ class ProcessGroupShm(dist.ProcessGroup):
                 jobs.append((outs, inp))
         comm, n = self._comm, self._world_size
         dsts = [staging.scratch(n * inp.tensor.numel(), inp.torch_dtype) for _, inp in jobs]
-        calls = [lambda done, inp=inp, dst=dst: comm.allgather(inp.ptr, dst.ptr, inp.numel, inp.dtype,
-                                                               a.timeout_s, done)
+        calls = [lambda done, inp=inp, dst=dst: comm.allgather(inp.ptr, inp.nbytes, dst.ptr, dst.nbytes,
+                                                               inp.numel, inp.dtype, a.timeout_s, done)
                  for (_, inp), dst in zip(jobs, dsts)]
 
         def after():
@@ -703,8 +704,8 @@ class ProcessGroupShm(dist.ProcessGroup):
                     raise ValueError(f"outputs[{i}]: expected world_size * inputs[{i}].numel() = "
                                      f"{self._world_size * inp.tensor.numel()} elements, got {out.tensor.numel()}")
         comm = self._comm
-        calls = [lambda done, out=out, inp=inp: comm.allgather(inp.ptr, out.ptr, inp.numel, inp.dtype,
-                                                               a.timeout_s, done)
+        calls = [lambda done, out=out, inp=inp: comm.allgather(inp.ptr, inp.nbytes, out.ptr, out.nbytes,
+                                                               inp.numel, inp.dtype, a.timeout_s, done)
                  for out, inp in pairs]
         return self._run(name, list(outputs), [out for out, _ in pairs], calls, opts)
 
@@ -743,7 +744,7 @@ class ProcessGroupShm(dist.ProcessGroup):
         comm = self._comm
         src = staging.pack(ins, out.tensor.numel())
         return self._run(name, [out.tensor], [out], [lambda done: comm.reduce_scatter(
-            src.ptr, out.ptr, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
+            src.ptr, src.nbytes, out.ptr, out.nbytes, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
 
     def reduce_scatter_single(self, output, input, opts=None) -> ShmWork:
         """Reduce ``input`` (``world_size * output.numel()`` elements) over all ranks; rank r
@@ -758,7 +759,7 @@ class ProcessGroupShm(dist.ProcessGroup):
             _check_op(a.op, out, "output")
         comm = self._comm
         return self._run(name, [output], [out], [lambda done: comm.reduce_scatter(
-            inp.ptr, out.ptr, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
+            inp.ptr, inp.nbytes, out.ptr, out.nbytes, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -774,8 +775,9 @@ class ProcessGroupShm(dist.ProcessGroup):
                                      f"{self._world_size * out.tensor.numel()} elements, got {inp.tensor.numel()}")
                 _check_op(a.op, out, f"outputs[{i}]")
         comm = self._comm
-        calls = [lambda done, out=out, inp=inp: comm.reduce_scatter(inp.ptr, out.ptr, out.numel, out.dtype, a.op,
-                                                                    a.factor, a.timeout_s, done)
+        calls = [lambda done, out=out, inp=inp: comm.reduce_scatter(inp.ptr, inp.nbytes, out.ptr, out.nbytes,
+                                                                    out.numel, out.dtype, a.op, a.factor,
+                                                                    a.timeout_s, done)
                  for out, inp in pairs]
         return self._run(name, list(outputs), [out for out, _ in pairs], calls, opts)
 
@@ -819,7 +821,7 @@ class ProcessGroupShm(dist.ProcessGroup):
         comm = self._comm
         if uniform:
             return self._run(name, [output], [out], [lambda done: comm.alltoall(
-                inp.ptr, out.ptr, inp.numel // n, inp.dtype, a.timeout_s, done)], opts)
+                inp.ptr, inp.nbytes, out.ptr, out.nbytes, inp.numel // n, inp.dtype, a.timeout_s, done)], opts)
         # Uneven splits: Python decides between the size exchange and the data exchange,
         # so this one runs inline (its work is complete when returned).
         return self._run(name, [output], [out], [lambda _: self._alltoall_padded(dst_parts, src_parts, a)],
@@ -848,7 +850,8 @@ class ProcessGroupShm(dist.ProcessGroup):
         comm, n, me = self._comm, self._world_size, self._rank
         mine = torch.tensor([p.numel() for p in src_parts] + [p.numel() for p in dst_parts], dtype=torch.int64)
         sizes = torch.empty(n, 2 * n, dtype=torch.int64)
-        comm.allgather(mine.data_ptr(), sizes.data_ptr(), 2 * n, "int64", a.timeout_s)
+        comm.allgather(mine.data_ptr(), mine.numel() * mine.element_size(),
+                       sizes.data_ptr(), sizes.numel() * sizes.element_size(), 2 * n, "int64", a.timeout_s)
         sends, expects = sizes[:, :n], sizes[:, n:]  # sends[p][q]: p -> q; expects[q][p]: q <- p
         bad = [(p, q) for p in range(n) for q in range(n) if sends[p, q] != expects[q, p]]
         if bad:
@@ -859,7 +862,7 @@ class ProcessGroupShm(dist.ProcessGroup):
         count = int(sizes.max()) if sizes.numel() else 0
         src = staging.pack(src_parts, count)
         dst = staging.scratch(n * count, src.torch_dtype)
-        comm.alltoall(src.ptr, dst.ptr, src.numel // n, src.dtype, a.timeout_s)
+        comm.alltoall(src.ptr, src.nbytes, dst.ptr, dst.nbytes, src.numel // n, src.dtype, a.timeout_s)
         staging.unpack(dst, dst_parts, count)
 
     def alltoall(self, output_tensors, input_tensors, opts=None) -> ShmWork:
@@ -898,7 +901,8 @@ class ProcessGroupShm(dist.ProcessGroup):
         comm, count = self._comm, inp.tensor.numel()
         dst = staging.scratch(self._world_size * count, inp.torch_dtype) if outs else None
         return self._run(name, outs, [], [lambda done: comm.gather(
-            inp.ptr, dst.ptr if outs else 0, inp.numel, inp.dtype, a.root, a.timeout_s, done)],
+            inp.ptr, inp.nbytes, dst.ptr if outs else 0, dst.nbytes if outs else 0,
+            inp.numel, inp.dtype, a.root, a.timeout_s, done)],
             opts, after=(lambda: staging.unpack(dst, outs, count)) if outs else None)
 
     def _root_list(self, lists, arg: str, root: int, like: staging.HostBuffer, write: bool) -> list:
@@ -936,7 +940,8 @@ class ProcessGroupShm(dist.ProcessGroup):
         comm = self._comm
         src = staging.pack(ins, out.tensor.numel()) if ins else None
         return self._run(name, [out.tensor], [out], [lambda done: comm.scatter(
-            src.ptr if ins else 0, out.ptr, out.numel, out.dtype, a.root, a.timeout_s, done)], opts)
+            src.ptr if ins else 0, src.nbytes if ins else 0, out.ptr, out.nbytes,
+            out.numel, out.dtype, a.root, a.timeout_s, done)], opts)
 
     # ---- barrier, point-to-point --------------------------------------------------------
 

@@ -5,7 +5,7 @@
 use flagos_shm::algorithms::slice_bounds;
 use flagos_shm::reduce::{reduce_bytes, DType, ReduceOp, Reduction};
 use flagos_shm::segment::{self, NAME_PREFIX};
-use flagos_shm::{Communicator, Error};
+use flagos_shm::{Buf, Communicator, Error};
 use half::{bf16, f16};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -261,12 +261,12 @@ fn allreduce_and_reduce_match_reference_for_every_dtype_and_op() {
                         let mine: Vec<f64> = (0..len).map(|i| value(dtype, rank, i, 3)).collect();
                         let mut buf = aligned_buf(dtype, &mine);
                         // SAFETY: `buf` holds at least len elements of dtype, 8-byte aligned.
-                        unsafe { c.allreduce(buf.as_mut_ptr().cast(), len, dtype, op, 0.5).unwrap() };
+                        c.allreduce(Buf::from_elems_mut(&mut buf), len, dtype, op, 0.5).unwrap();
                         let got = decode(dtype, &bytes_of(&buf)[..len * dtype.size()]);
                         let root = len % n;
                         let mut rbuf = aligned_buf(dtype, &mine);
                         // SAFETY: as above.
-                        unsafe { c.reduce(rbuf.as_mut_ptr().cast(), len, dtype, op, 0.5, root).unwrap() };
+                        c.reduce(Buf::from_elems_mut(&mut rbuf), len, dtype, op, 0.5, root).unwrap();
                         let rgot = decode(dtype, &bytes_of(&rbuf)[..len * dtype.size()]);
                         for i in 0..len {
                             let xs: Vec<f64> =
@@ -311,21 +311,21 @@ fn data_movement_collectives_match_reference() {
                 let mut out = vec![0u64; (n * count * es).div_ceil(8).max(1)];
                 let want: Vec<f64> = (0..n).flat_map(|r| (0..count).map(move |i| v(r, i))).collect();
                 // SAFETY: sizes as documented, buffers 8-byte aligned.
-                unsafe { c.allgather(input.as_ptr().cast(), out.as_mut_ptr().cast(), count, dtype).unwrap() };
+                c.allgather(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), count, dtype).unwrap();
                 if dec(&out, n * count) != want {
                     bad.push(format!("allgather count={count}"));
                 }
                 for root in 0..n {
                     let mut out = vec![0u64; (n * count * es).div_ceil(8).max(1)];
                     // SAFETY: as above.
-                    unsafe { c.gather(input.as_ptr().cast(), out.as_mut_ptr().cast(), count, dtype, root).unwrap() };
+                    c.gather(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), count, dtype, root).unwrap();
                     if rank == root && dec(&out, n * count) != want {
                         bad.push(format!("gather root={root} count={count}"));
                     }
                     // broadcast
                     let mut b = enc((0..count).map(|i| v(rank, i)).collect());
                     // SAFETY: as above.
-                    unsafe { c.broadcast(b.as_mut_ptr().cast(), count, dtype, root).unwrap() };
+                    c.broadcast(Buf::from_elems_mut(&mut b), count, dtype, root).unwrap();
                     if dec(&b, count) != (0..count).map(|i| v(root, i)).collect::<Vec<_>>() {
                         bad.push(format!("broadcast root={root} count={count}"));
                     }
@@ -333,7 +333,7 @@ fn data_movement_collectives_match_reference() {
                     let src = enc((0..n * count).map(|i| v(rank, i)).collect());
                     let mut o = vec![0u64; (count * es).div_ceil(8).max(1)];
                     // SAFETY: as above.
-                    unsafe { c.scatter(src.as_ptr().cast(), o.as_mut_ptr().cast(), count, dtype, root).unwrap() };
+                    c.scatter(Buf::from_elems(&src), Buf::from_elems_mut(&mut o), count, dtype, root).unwrap();
                     if dec(&o, count) != (0..count).map(|i| v(root, rank * count + i)).collect::<Vec<_>>() {
                         bad.push(format!("scatter root={root} count={count}"));
                     }
@@ -342,14 +342,14 @@ fn data_movement_collectives_match_reference() {
                 let src = enc((0..n * count).map(|i| v(rank, i)).collect());
                 let mut o = vec![0u64; (n * count * es).div_ceil(8).max(1)];
                 // SAFETY: as above.
-                unsafe { c.alltoall(src.as_ptr().cast(), o.as_mut_ptr().cast(), count, dtype).unwrap() };
+                c.alltoall(Buf::from_elems(&src), Buf::from_elems_mut(&mut o), count, dtype).unwrap();
                 let want: Vec<f64> = (0..n).flat_map(|q| (0..count).map(move |i| v(q, rank * count + i))).collect();
                 if dec(&o, n * count) != want {
                     bad.push(format!("alltoall count={count}"));
                 }
                 let mut o = vec![0u64; (count * es).div_ceil(8).max(1)];
                 // SAFETY: as above.
-                unsafe { c.reduce_scatter(src.as_ptr().cast(), o.as_mut_ptr().cast(), count, dtype, ReduceOp::Sum, 1.0).unwrap() };
+                c.reduce_scatter(Buf::from_elems(&src), Buf::from_elems_mut(&mut o), count, dtype, ReduceOp::Sum, 1.0).unwrap();
                 let want: Vec<f64> = (0..count).map(|i| (0..n).map(|q| v(q, rank * count + i)).sum()).collect();
                 if dec(&o, count) != want {
                     bad.push(format!("reduce_scatter count={count}"));
@@ -373,7 +373,7 @@ fn half_allreduce_is_bitwise_identical_on_every_rank() {
             let vals: Vec<f64> = (0..len).map(|_| (r.next() % 100_000) as f64 / 997.0 - 50.0).collect();
             let mut buf = aligned_buf(dtype, &vals);
             // SAFETY: buffer holds len elements, 8-byte aligned.
-            unsafe { c.allreduce(buf.as_mut_ptr().cast(), len, dtype, ReduceOp::Sum, 1.0).unwrap() };
+            c.allreduce(Buf::from_elems_mut(&mut buf), len, dtype, ReduceOp::Sum, 1.0).unwrap();
             buf
         });
         assert!(outs.iter().all(|o| *o == outs[0]), "{dtype:?}");
@@ -387,7 +387,7 @@ fn mismatched_calls_raise_on_every_rank_and_the_group_stays_usable() {
         // rank 2 passes a different count
         let count = if rank == 2 { 99 } else { 100 };
         // SAFETY: buffer holds 100 f32.
-        let e = unsafe { c.allreduce(buf.as_mut_ptr().cast(), count, DType::F32, ReduceOp::Sum, 1.0) };
+        let e = c.allreduce(Buf::from_elems_mut(&mut buf), count, DType::F32, ReduceOp::Sum, 1.0);
         let msg = match e {
             Err(Error::Mismatch(m)) => m,
             other => panic!("rank {rank}: expected Mismatch, got {other:?}"),
@@ -397,7 +397,7 @@ fn mismatched_calls_raise_on_every_rank_and_the_group_stays_usable() {
             c.fail(flagos_shm::Kind::from_name("_broadcast_coalesced")).map(|_| String::new())
         } else {
             // SAFETY: as above.
-            match unsafe { c.broadcast(buf.as_mut_ptr().cast(), 100, DType::F32, 0) } {
+            match c.broadcast(Buf::from_elems_mut(&mut buf), 100, DType::F32, 0) {
                 Err(Error::Mismatch(m)) => Ok(m),
                 other => panic!("rank {rank}: expected Mismatch, got {other:?}"),
             }
@@ -405,7 +405,7 @@ fn mismatched_calls_raise_on_every_rank_and_the_group_stays_usable() {
         // and the group still works
         let mut ok = aligned_buf(DType::F32, &[rank as f64; 10]);
         // SAFETY: buffer holds 10 f32.
-        unsafe { c.allreduce(ok.as_mut_ptr().cast(), 10, DType::F32, ReduceOp::Sum, 1.0).unwrap() };
+        c.allreduce(Buf::from_elems_mut(&mut ok), 10, DType::F32, ReduceOp::Sum, 1.0).unwrap();
         (msg, e2.unwrap(), decode(DType::F32, &bytes_of(&ok)[..40]), decode(DType::F32, &bytes_of(&buf)[..400]))
     });
     for (r, (msg, rejected, sum, untouched)) in outs.iter().enumerate() {
@@ -424,9 +424,9 @@ fn premul_sum_factors_must_agree() {
         let mut buf = aligned_buf(DType::F32, &[1.0; 4]);
         let factor = if rank == 0 { 2.0 } else { 3.0 };
         // SAFETY: buffer holds 4 f32.
-        let e = unsafe { c.allreduce(buf.as_mut_ptr().cast(), 4, DType::F32, ReduceOp::PremulSum, factor) };
+        let e = c.allreduce(Buf::from_elems_mut(&mut buf), 4, DType::F32, ReduceOp::PremulSum, factor);
         // SAFETY: as above; equal factors work afterwards.
-        unsafe { c.allreduce(buf.as_mut_ptr().cast(), 4, DType::F32, ReduceOp::PremulSum, 0.5).unwrap() };
+        c.allreduce(Buf::from_elems_mut(&mut buf), 4, DType::F32, ReduceOp::PremulSum, 0.5).unwrap();
         (e, decode(DType::F32, &bytes_of(&buf)[..16]))
     });
     for (e, vals) in outs {
@@ -569,14 +569,14 @@ fn progress_queue_keeps_issue_order_and_results() {
                         // An inline call in the middle: runs after the 6 queued before it.
                         let mut x = [r as f64 + 1.0; 5];
                         // SAFETY: `x` lives across the call.
-                        prog.run(|c| unsafe { c.allreduce(x.as_mut_ptr() as *mut u8, 5, DType::F64, ReduceOp::Max, 1.0) }).unwrap();
+                        prog.run(|c| c.allreduce(Buf::from_elems_mut(&mut x), 5, DType::F64, ReduceOp::Max, 1.0)).unwrap();
                         assert_eq!(x, [N as f64; 5]);
                     }
                     let log = Arc::clone(&log);
                     last = prog.submit(
                         // SAFETY: the buffers outlive the jobs: help_until below returns only
                         // after the last job (and so every earlier one) has finished.
-                        Box::new(move |c| unsafe { c.allreduce(ptr as *mut u8, len, DType::F64, ReduceOp::Sum, 1.0) }),
+                        Box::new(move |c| c.allreduce(unsafe { Buf::from_raw_parts(ptr as *mut u8, len * 8) }, len, DType::F64, ReduceOp::Sum, 1.0)),
                         Box::new(move |res| log.lock().unwrap().push((j, res.is_ok()))),
                     );
                 }
@@ -684,4 +684,58 @@ fn progress_sync_call_from_a_callback_with_jobs_queued_fails_fast() {
     assert!(*took < Duration::from_secs(1), "{took:?}");
     prog.close();
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn too_short_buffers_are_refused_by_name_and_nothing_is_written() {
+    // Each case: rank 1 passes a buffer one element short; rank 1 gets InvalidArgument
+    // naming the argument, rank 0 gets Mismatch naming rank 1, nobody's memory changes,
+    // and the group goes on.
+    let outs = with_group(2, SLOT, |rank, c| {
+        let n = 2;
+        let count = 3000; // several chunks of the 8 KiB slots
+        let short = |full: usize| if rank == 1 { full - 4 } else { full };
+        let mut errs = Vec::new();
+        let mut inp = vec![7.0f32; n * count];
+        let mut out = vec![-1.0f32; n * count + 1];
+        let check = |what: &str, r: Result<(), Error>, errs: &mut Vec<String>| match (rank, r) {
+            (1, Err(Error::InvalidArgument(m))) => errs.push(format!("{what}: {m}")),
+            (0, Err(Error::Mismatch(m))) if m.contains("rank 1 rejected its arguments") => {}
+            (_, other) => panic!("rank {rank} {what}: unexpected {other:?}"),
+        };
+        let bytes = |v: &mut Vec<f32>, len: usize| {
+            // SAFETY: `len` <= the vector's byte length; the vector outlives the call.
+            unsafe { Buf::from_raw_parts(v.as_mut_ptr().cast(), len) }
+        };
+        let r = c.allreduce(bytes(&mut out, short(count * 4)), count, DType::F32, ReduceOp::Sum, 1.0);
+        check("allreduce", r, &mut errs);
+        let r = c.broadcast(bytes(&mut out, short(count * 4)), count, DType::F32, 0);
+        check("broadcast", r, &mut errs);
+        let r = c.allgather(Buf::from_elems(&inp[..count]), bytes(&mut out, short(n * count * 4)), count, DType::F32);
+        check("allgather", r, &mut errs);
+        let r = c.reduce_scatter(bytes(&mut inp, short(n * count * 4)), bytes(&mut out, count * 4), count, DType::F32, ReduceOp::Sum, 1.0);
+        check("reduce_scatter", r, &mut errs);
+        let r = c.gather(Buf::from_elems(&inp[..count]), bytes(&mut out, short(n * count * 4)), count, DType::F32, 1);
+        check("gather", r, &mut errs);
+        let r = c.scatter(bytes(&mut inp, short(n * count * 4)), bytes(&mut out, count * 4), count, DType::F32, 1);
+        check("scatter", r, &mut errs);
+        let r = c.alltoall(Buf::from_elems(&inp), bytes(&mut out, short(n * count * 4)), count, DType::F32);
+        check("alltoall", r, &mut errs);
+        let untouched = out.iter().all(|&v| v == -1.0) && inp.iter().all(|&v| v == 7.0);
+        let mut ok = [rank as f32 + 1.0; 4];
+        c.allreduce(Buf::from_elems_mut(&mut ok), 4, DType::F32, ReduceOp::Sum, 1.0).unwrap();
+        (errs, untouched, ok)
+    });
+    let (errs, untouched, ok) = &outs[1];
+    let names = ["nbytes", "nbytes", "out_nbytes", "in_nbytes", "out_nbytes", "in_nbytes", "out_nbytes"];
+    assert_eq!(errs.len(), names.len(), "{errs:?}");
+    for (e, name) in errs.iter().zip(names) {
+        assert!(e.split(": ").nth(1) == Some(name) && e.contains("too small"), "{e}");
+    }
+    for (r, (_, untouched, _)) in outs.iter().enumerate() {
+        assert!(untouched, "rank {r}: a refused call wrote memory");
+    }
+    let _ = untouched;
+    assert_eq!(ok, &[3.0; 4]);
+    assert_eq!(outs[0].2, [3.0; 4]);
 }

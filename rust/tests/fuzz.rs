@@ -16,7 +16,7 @@
 use flagos_shm::algorithms::{check_peer_desc, Desc, ATTACH_STEPS};
 use flagos_shm::reduce::{DType, ReduceOp};
 use flagos_shm::segment::{self, Segment, DESC_WORDS, HEADER_BYTES, MAGIC, NAME_PREFIX, VERSION};
-use flagos_shm::{Communicator, Error, Kind};
+use flagos_shm::{Buf, Communicator, Error, Kind};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -375,23 +375,19 @@ fn run_op(comm: &mut Communicator, op: u8, count: usize, root: usize) -> (Result
     let me = comm.rank();
     let input: Vec<f32> = (0..n * count).map(|i| (me * 1000 + i) as f32).collect();
     let mut out = vec![0f32; n * count];
-    let (i, o) = (input.as_ptr() as *const u8, out.as_mut_ptr() as *mut u8);
-    // SAFETY: `input` and `out` hold n * count f32 each, more than every collective here
-    // reads or writes; they do not overlap.
-    let r = unsafe {
-        match op {
-            0 => comm.barrier(),
-            1 => {
-                out[..count].copy_from_slice(&input[..count]);
-                comm.allreduce(o, count, DType::F32, ReduceOp::Sum, 1.0)
-            }
-            2 => comm.broadcast(o, count, DType::F32, root),
-            3 => comm.allgather(i, o, count, DType::F32),
-            4 => comm.reduce_scatter(i, o, count, DType::F32, ReduceOp::Max, 1.0),
-            5 => comm.alltoall(i, o, count, DType::F32),
-            6 => comm.scatter(i, o, count, DType::F32, root),
-            _ => comm.gather(i, o, count, DType::F32, root),
-        }
+    if op == 1 {
+        out[..count].copy_from_slice(&input[..count]);
+    }
+    let (i, o) = (Buf::from_elems(&input), Buf::from_elems_mut(&mut out));
+    let r = match op {
+        0 => comm.barrier(),
+        1 => comm.allreduce(o, count, DType::F32, ReduceOp::Sum, 1.0),
+        2 => comm.broadcast(o, count, DType::F32, root),
+        3 => comm.allgather(i, o, count, DType::F32),
+        4 => comm.reduce_scatter(i, o, count, DType::F32, ReduceOp::Max, 1.0),
+        5 => comm.alltoall(i, o, count, DType::F32),
+        6 => comm.scatter(i, o, count, DType::F32, root),
+        _ => comm.gather(i, o, count, DType::F32, root),
     };
     (r, out)
 }
