@@ -21,7 +21,7 @@
 //! ([`wait_all`]), so that rank (likely waiting for the same step) leaves it at once.
 
 use crate::error::{Error, Result};
-use crate::segment::{self, GroupLine, Segment};
+use crate::segment::{self, GroupLine, Segment, DESC_WORDS};
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -245,4 +245,105 @@ fn futex_wake(word: &AtomicU32) {
     unsafe {
         libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
     }
+}
+
+// ----- control-block accessors ----------------------------------------------------
+// Every load and store of a control block or of the group line outside this file goes
+// through one of these, so that the ordering of each is decided (and documented) here.
+// The rule: data a rank publishes for step `s` (descriptor words, a buffer address, the
+// probe words) is written with Relaxed stores *before* its `arrive(s)`, whose Release
+// store of `arrived` orders them; a peer reads them with Relaxed loads only *after*
+// `wait_all(s)`, whose Acquire loads of `arrived` order them. No other ordering is
+// needed for them. Set-up words (`pid`, `attached`) are read while no step orders them,
+// so they use Acquire/Release (AcqRel for the claiming swap) themselves.
+
+/// Claims `rank`'s control block for process `pid`; returns the pid that held it (0 if
+/// it was free, in which case it is now ours). AcqRel: the swap both publishes our pid
+/// to peers that poll it and sees any earlier claim.
+pub fn claim_rank(seg: &Segment, rank: usize, pid: u32) -> u32 {
+    seg.ctrl(rank).pid.swap(pid, Ordering::AcqRel)
+}
+
+/// Counts this rank as attached (after [`claim_rank`]); Release via AcqRel so that a
+/// rank that reads the full count also sees every claimed pid.
+pub fn count_attached(seg: &Segment) {
+    seg.group().attached.fetch_add(1, Ordering::AcqRel);
+}
+
+/// Number of ranks that have attached (Acquire, pairs with [`count_attached`]).
+pub fn attached(seg: &Segment) -> usize {
+    seg.group().attached.load(Ordering::Acquire) as usize
+}
+
+/// The process id rank `r` published (0 before it attached). Acquire: pairs with the
+/// claiming swap. The value comes from shared memory: callers only print it or test
+/// liveness with it ([`segment::pid_dead`]).
+pub fn pid_of(seg: &Segment, r: usize) -> u32 {
+    seg.ctrl(r).pid.load(Ordering::Acquire)
+}
+
+/// Ranks that have not claimed their control block yet.
+pub fn unattached(seg: &Segment) -> Vec<usize> {
+    (0..seg.world_size()).filter(|&r| pid_of(seg, r) == 0).collect()
+}
+
+/// `"rank r (pid p)"` for each rank in `ranks` whose process is gone.
+pub fn exited(seg: &Segment, ranks: impl IntoIterator<Item = usize>) -> Vec<String> {
+    ranks
+        .into_iter()
+        .filter_map(|r| {
+            let pid = pid_of(seg, r);
+            segment::pid_dead(pid).then(|| format!("rank {r} (pid {pid})"))
+        })
+        .collect()
+}
+
+/// Publishes `rank`'s descriptor words for the step of `parity` (Relaxed; ordered by the
+/// `arrive` that follows).
+pub fn publish_desc(seg: &Segment, rank: usize, parity: usize, words: [u64; DESC_WORDS]) {
+    for (w, v) in seg.ctrl(rank).desc[parity].iter().zip(words) {
+        w.store(v, Ordering::Relaxed);
+    }
+}
+
+/// Rank `r`'s descriptor words for the step of `parity` (Relaxed; call only after
+/// `wait_all` for that step). Untrusted: decode with `Desc::decode`.
+pub fn read_desc(seg: &Segment, r: usize, parity: usize) -> [u64; DESC_WORDS] {
+    std::array::from_fn(|i| seg.ctrl(r).desc[parity][i].load(Ordering::Relaxed))
+}
+
+/// Publishes the address (in this process) of the buffer peers read in the coming
+/// single-copy step (Relaxed; ordered by the `arrive` that follows).
+pub fn publish_addr(seg: &Segment, rank: usize, addr: u64) {
+    seg.ctrl(rank).addr.store(addr, Ordering::Relaxed);
+}
+
+/// Every rank's (pid, published address), after `wait_all` for the step that published
+/// them. Untrusted: only passed to the kernel (`cma::read`), which checks the range.
+pub fn peer_addrs(seg: &Segment) -> Vec<(u32, u64)> {
+    (0..seg.world_size()).map(|q| (seg.ctrl(q).pid.load(Ordering::Relaxed), seg.ctrl(q).addr.load(Ordering::Relaxed))).collect()
+}
+
+/// Publishes the address and value of this rank's single-copy probe word (Relaxed;
+/// ordered by the `arrive` that follows).
+pub fn publish_probe(seg: &Segment, rank: usize, addr: u64, value: u64) {
+    let c = seg.ctrl(rank);
+    c.addr.store(addr, Ordering::Relaxed);
+    c.probe.store(value, Ordering::Relaxed);
+}
+
+/// Rank `q`'s (pid, probe address, probe value), after `wait_all` for the probe step.
+pub fn read_probe(seg: &Segment, q: usize) -> (u32, u64, u64) {
+    let c = seg.ctrl(q);
+    (c.pid.load(Ordering::Relaxed), c.addr.load(Ordering::Relaxed), c.probe.load(Ordering::Relaxed))
+}
+
+/// Publishes this rank's single-copy verdict / threshold (Relaxed; ordered by `arrive`).
+pub fn publish_cma(seg: &Segment, rank: usize, v: u64) {
+    seg.ctrl(rank).cma.store(v, Ordering::Relaxed);
+}
+
+/// Rank `q`'s published single-copy verdict, after `wait_all` for its step.
+pub fn read_cma(seg: &Segment, q: usize) -> u64 {
+    seg.ctrl(q).cma.load(Ordering::Relaxed)
 }
