@@ -209,7 +209,11 @@ impl Peer {
         // SAFETY: `pid` is our own child, not yet reaped; `status` is a valid out-pointer.
         let rc = unsafe { libc::waitpid(self.pid, &mut status, 0) };
         self.reaped = true;
-        if rc == self.pid { Ok(status) } else { Err(std::io::Error::last_os_error()) }
+        if rc == self.pid {
+            Ok(status)
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
     }
 
     /// Tells rank 1 to stop and reaps it; panics unless it exited with status 0.
@@ -254,8 +258,7 @@ fn bench(c: &mut Criterion) {
         // Rank 1. Drop rank 0's end of the socket so that read sees end-of-file once rank 0
         // is gone; never return into criterion: leave with _exit, also on a panic.
         drop(sock);
-        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(&path, child_sock, parent, cpu(1))))
-            .unwrap_or(2);
+        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(&path, child_sock, parent, cpu(1)))).unwrap_or(2);
         // SAFETY: _exit ends this process at once, without running the parent's atexit
         // handlers or flushing its copied stdio buffers.
         unsafe { libc::_exit(code) };

@@ -39,9 +39,9 @@ fn to_py(e: Error, pending: Option<&Pending>) -> PyErr {
             Some(errno) => PyOSError::new_err((errno, e.to_string())),
             None => PyOSError::new_err(e.to_string()),
         },
-        Error::Interrupted(_) => pending
-            .and_then(|p| p.lock().ok().and_then(|mut g| g.take()))
-            .unwrap_or_else(|| PyRuntimeError::new_err(e.to_string())),
+        Error::Interrupted(_) => {
+            pending.and_then(|p| p.lock().ok().and_then(|mut g| g.take())).unwrap_or_else(|| PyRuntimeError::new_err(e.to_string()))
+        }
         Error::Timeout(m) | Error::PeerDied(m) | Error::Aborted(m) => PyRuntimeError::new_err(m),
     }
 }
@@ -145,8 +145,7 @@ impl PyCommunicator {
         f: impl FnOnce(&mut Communicator) -> Result<R, Error> + Send,
     ) -> PyResult<R> {
         let t = timeout_s.map(|s| duration("timeout_s", s)).transpose()?;
-        py.detach(|| self.inner.run(|comm| with_timeout(comm, t, f)))
-            .map_err(|e| to_py(e, Some(&self.pending)))
+        py.detach(|| self.inner.run(|comm| with_timeout(comm, t, f))).map_err(|e| to_py(e, Some(&self.pending)))
     }
 
     /// Runs collective `f` inline (`done` is None: returns 0 when it has finished, raising
@@ -186,7 +185,11 @@ impl PyCommunicator {
 }
 
 /// Runs `f` with the communicator's timeout set to `t` (when given) for this call only.
-fn with_timeout<R>(comm: &mut Communicator, t: Option<Duration>, f: impl FnOnce(&mut Communicator) -> Result<R, Error>) -> Result<R, Error> {
+fn with_timeout<R>(
+    comm: &mut Communicator,
+    t: Option<Duration>,
+    f: impl FnOnce(&mut Communicator) -> Result<R, Error>,
+) -> Result<R, Error> {
     let saved = comm.timeout();
     if let Some(t) = t {
         comm.set_timeout(t);
@@ -226,7 +229,9 @@ impl PyCommunicator {
             })
         };
         let mut comm = py
-            .detach(|| Communicator::attach_with(Path::new(&p), rank, world_size, timeout, Some(&hook), peer_pids.as_deref().unwrap_or(&[])))
+            .detach(|| {
+                Communicator::attach_with(Path::new(&p), rank, world_size, timeout, Some(&hook), peer_pids.as_deref().unwrap_or(&[]))
+            })
             .map_err(|e| to_py(e, Some(&pending)))?;
         comm.set_interrupt(Some(Box::new(hook)));
         Ok(PyCommunicator {
@@ -276,7 +281,18 @@ impl PyCommunicator {
     /// In-place allreduce of `numel` elements in the `nbytes` bytes at address `ptr`.
     #[pyo3(signature = (ptr, nbytes, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn allreduce(&self, py: Python<'_>, ptr: usize, nbytes: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn allreduce(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        op: u32,
+        factor: f64,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
         let b = host_buf("ptr", ptr, nbytes)?;
         self.dispatch(py, timeout_s, done, move |c| c.allreduce(b, numel, dt, op, factor))
@@ -285,7 +301,17 @@ impl PyCommunicator {
     /// In-place broadcast of `numel` elements at `ptr` (`nbytes`) from group rank `root`.
     #[pyo3(signature = (ptr, nbytes, numel, dtype, root, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn broadcast(&self, py: Python<'_>, ptr: usize, nbytes: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        root: usize,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
         let b = host_buf("ptr", ptr, nbytes)?;
         self.dispatch(py, timeout_s, done, move |c| c.broadcast(b, numel, dt, root))
@@ -295,7 +321,19 @@ impl PyCommunicator {
     /// the root's buffer is written).
     #[pyo3(signature = (ptr, nbytes, numel, dtype, op, root, factor=1.0, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce(&self, py: Python<'_>, ptr: usize, nbytes: usize, numel: usize, dtype: &str, op: u32, root: usize, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        op: u32,
+        root: usize,
+        factor: f64,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
         let b = host_buf("ptr", ptr, nbytes)?;
         self.dispatch(py, timeout_s, done, move |c| c.reduce(b, numel, dt, op, factor, root))
@@ -305,7 +343,18 @@ impl PyCommunicator {
     /// (rank r's at `[r * numel, (r + 1) * numel)`).
     #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn allgather(&self, py: Python<'_>, in_ptr: usize, in_nbytes: usize, out_ptr: usize, out_nbytes: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn allgather(
+        &self,
+        py: Python<'_>,
+        in_ptr: usize,
+        in_nbytes: usize,
+        out_ptr: usize,
+        out_nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
         let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
         self.dispatch(py, timeout_s, done, move |c| c.allgather(i, o, numel, dt))
@@ -315,7 +364,20 @@ impl PyCommunicator {
     /// the `numel`-element reduction of piece `rank`.
     #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter(&self, py: Python<'_>, in_ptr: usize, in_nbytes: usize, out_ptr: usize, out_nbytes: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        in_ptr: usize,
+        in_nbytes: usize,
+        out_ptr: usize,
+        out_nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        op: u32,
+        factor: f64,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
         let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
         self.dispatch(py, timeout_s, done, move |c| c.reduce_scatter(i, o, numel, dt, op, factor))
@@ -325,7 +387,19 @@ impl PyCommunicator {
     /// `world_size * numel` (non-roots pass 0, 0).
     #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, root, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn gather(&self, py: Python<'_>, in_ptr: usize, in_nbytes: usize, out_ptr: usize, out_nbytes: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn gather(
+        &self,
+        py: Python<'_>,
+        in_ptr: usize,
+        in_nbytes: usize,
+        out_ptr: usize,
+        out_nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        root: usize,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
         let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
         self.dispatch(py, timeout_s, done, move |c| c.gather(i, o, numel, dt, root))
@@ -335,7 +409,19 @@ impl PyCommunicator {
     /// (non-roots pass 0, 0); `out_ptr` receives this rank's `numel`-element piece.
     #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, root, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn scatter(&self, py: Python<'_>, in_ptr: usize, in_nbytes: usize, out_ptr: usize, out_nbytes: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        in_ptr: usize,
+        in_nbytes: usize,
+        out_ptr: usize,
+        out_nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        root: usize,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
         let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
         self.dispatch(py, timeout_s, done, move |c| c.scatter(i, o, numel, dt, root))
@@ -345,7 +431,18 @@ impl PyCommunicator {
     /// not overlap); input piece q goes to rank q, rank q's piece lands in output piece q.
     #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn alltoall(&self, py: Python<'_>, in_ptr: usize, in_nbytes: usize, out_ptr: usize, out_nbytes: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn alltoall(
+        &self,
+        py: Python<'_>,
+        in_ptr: usize,
+        in_nbytes: usize,
+        out_ptr: usize,
+        out_nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
         let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
         self.dispatch(py, timeout_s, done, move |c| c.alltoall(i, o, numel, dt))

@@ -160,7 +160,6 @@ impl Desc {
     }
 }
 
-
 /// Compares rank `r`'s descriptor `words`, read from its control block, with this rank's
 /// (`me`) own descriptor `mine` for the same step, in a group of `world` ranks. `Ok` when
 /// `mine` is a failing rank's (its caller raises its own error) or the words are exactly
@@ -173,10 +172,7 @@ pub fn check_peer_desc(mine: &Desc, me: usize, r: usize, words: [u64; DESC_WORDS
         return Ok(()); // we are the failing rank; our caller raises its own error
     }
     let theirs = Desc::decode(words, world).map_err(|e| {
-        Error::Mismatch(format!(
-            "{}: rank {r} published a {e} (words {words:#x?}); no data was exchanged",
-            mine.describe()
-        ))
+        Error::Mismatch(format!("{}: rank {r} published a {e} (words {words:#x?}); no data was exchanged", mine.describe()))
     })?;
     if theirs.flags & FLAG_FAIL != 0 {
         return Err(Error::Mismatch(format!(
@@ -197,4 +193,3 @@ pub fn check_peer_desc(mine: &Desc, me: usize, r: usize, words: [u64; DESC_WORDS
     }
     Ok(())
 }
-

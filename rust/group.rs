@@ -52,7 +52,6 @@ fn ms(d: Duration) -> String {
     format!("{:.3} s", d.as_secs_f64())
 }
 
-
 impl Communicator {
     /// Maps the segment at `path` as `rank` of `world_size`, waits until all ranks have
     /// attached (at most `timeout`) and unlinks the file. On any failure the file is
@@ -338,7 +337,6 @@ impl Communicator {
         }
         Ok(())
     }
-
 
     // ----- the two collectives without data ----------------------------------------
 

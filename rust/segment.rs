@@ -133,7 +133,7 @@ pub fn check_geometry(world_size: usize, slot_bytes: usize) -> Result<()> {
     if world_size == 0 || world_size > MAX_WORLD {
         return Err(Error::InvalidArgument(format!("world_size: expected 1..={MAX_WORLD}, got {world_size}")));
     }
-    if slot_bytes < PAGE || slot_bytes > MAX_SLOT_BYTES || slot_bytes % PAGE != 0 {
+    if !(PAGE..=MAX_SLOT_BYTES).contains(&slot_bytes) || slot_bytes % PAGE != 0 {
         return Err(Error::InvalidArgument(format!(
             "slot_bytes: expected a multiple of {PAGE} between {PAGE} and {MAX_SLOT_BYTES}, got {slot_bytes}"
         )));
@@ -448,6 +448,7 @@ pub struct Segment {
 // copies whose ordering the protocol in `sync.rs` establishes; the struct itself holds
 // no thread-affine state.
 unsafe impl Send for Segment {}
+// SAFETY: as for `Send`: shared access goes through atomics and protocol-ordered copies.
 unsafe impl Sync for Segment {}
 
 impl Segment {

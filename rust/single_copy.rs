@@ -45,9 +45,9 @@ impl Communicator {
             let gone = sync::exited(&self.seg, 0..self.n);
             let gone = if gone.is_empty() { String::new() } else { format!("; exited: {}", gone.join(", ")) };
             let msg = match first {
-                Some(q) => format!(
-                    "{head}: the group was aborted by rank {q} (see its error), then a single-copy transfer failed: {e}{gone}"
-                ),
+                Some(q) => {
+                    format!("{head}: the group was aborted by rank {q} (see its error), then a single-copy transfer failed: {e}{gone}")
+                }
                 None => format!("{head}: single-copy transfer failed: {e}{gone}"),
             };
             self.broken = Some(msg.clone());
@@ -76,7 +76,15 @@ impl Communicator {
     /// `own` readable and `dst` writable for `b - a` elements from their starts; `dst`
     /// may equal `own` (the kernels read an element of every source before writing it
     /// when the output is source 0 or 1; for other ranks `own` is copied first).
-    unsafe fn reduce_range_from_peers(&mut self, red: &Reduction, peers: &[(u32, u64)], own: *const u8, dst: *mut u8, a: usize, b: usize) -> Result<()> {
+    unsafe fn reduce_range_from_peers(
+        &mut self,
+        red: &Reduction,
+        peers: &[(u32, u64)],
+        own: *const u8,
+        dst: *mut u8,
+        a: usize,
+        b: usize,
+    ) -> Result<()> {
         let es = red.dtype.size();
         let chunk = (CMA_CHUNK_BYTES / es).max(1);
         let bufs = self.chunk_buffers(chunk * es);
@@ -166,7 +174,14 @@ impl Communicator {
     /// # Safety
     /// `input` readable for `n * count` aligned elements, `output` writable for `count`,
     /// untouched by anything else during the call.
-    pub(crate) unsafe fn reduce_scatter_single_copy(&mut self, input: *const u8, output: *mut u8, count: usize, red: &Reduction, d: &Desc) -> Result<()> {
+    pub(crate) unsafe fn reduce_scatter_single_copy(
+        &mut self,
+        input: *const u8,
+        output: *mut u8,
+        count: usize,
+        red: &Reduction,
+        d: &Desc,
+    ) -> Result<()> {
         let peers = self.publish(input, d)?;
         let (a, b) = (self.rank * count, (self.rank + 1) * count);
         // SAFETY: a + count <= n * count.

@@ -131,8 +131,7 @@ fn hand_over_if_shared(seg: &Segment) {
 /// there). `None` if `value` is inside, else the message saying it is not.
 pub fn counter_out_of_range(rank: usize, value: u64, step: u64) -> Option<String> {
     let (lo, hi) = (step.saturating_sub(1), step.saturating_add(1));
-    (value < lo || value > hi)
-        .then(|| format!("rank {rank}'s control block is corrupt: arrival counter {value}, expected {lo}..={hi}"))
+    (value < lo || value > hi).then(|| format!("rank {rank}'s control block is corrupt: arrival counter {value}, expected {lo}..={hi}"))
 }
 
 /// Checks every rank's arrival counter ([`counter_out_of_range`]) and process id
@@ -161,17 +160,19 @@ fn wait_arrivals(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     // Phase 1: spin, unless a missing peer last ran on our CPU: then it cannot make
     // progress while we spin, so give the CPU away at once.
     let cpu = current_cpu();
-    let shares_cpu = (0..seg.world_size())
-        .any(|r| seg.ctrl(r).arrived.load(Ordering::Relaxed) < step && seg.ctrl(r).cpu.load(Ordering::Relaxed) == cpu);
-    while !shares_cpu {
-        for _ in 0..64 {
-            std::hint::spin_loop();
-            if all_in() {
-                return Ok(());
+    let shares_cpu =
+        (0..seg.world_size()).any(|r| seg.ctrl(r).arrived.load(Ordering::Relaxed) < step && seg.ctrl(r).cpu.load(Ordering::Relaxed) == cpu);
+    if !shares_cpu {
+        loop {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+                if all_in() {
+                    return Ok(());
+                }
             }
-        }
-        if start.elapsed() >= SPIN {
-            break;
+            if start.elapsed() >= SPIN {
+                break;
+            }
         }
     }
     // Phase 2: yield.

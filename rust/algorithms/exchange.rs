@@ -58,7 +58,15 @@ impl Communicator {
     ///
     /// # Safety
     /// As [`Self::exchange`].
-    pub(crate) unsafe fn reduce_scatter_ptrs(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
+    pub(crate) unsafe fn reduce_scatter_ptrs(
+        &mut self,
+        input: *const u8,
+        output: *mut u8,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        factor: f64,
+    ) -> Result<()> {
         let red = self.reduction(dtype, op, factor)?;
         // SAFETY: forwarded.
         unsafe { self.exchange(input, output, count, dtype, Some(red)) }

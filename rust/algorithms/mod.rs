@@ -33,7 +33,6 @@
 //!   rank r reduces (alltoall: copies) piece r from every slot. scatter: the root copies
 //!   the chunk of each piece in, rank r copies piece r out.
 
-
 mod allreduce;
 mod exchange;
 mod gather;

@@ -40,7 +40,15 @@ impl Communicator {
     /// # Safety
     /// `buf`: `count` aligned elements of `dtype`, readable everywhere and writable on
     /// the root, not accessed by anything else during the call.
-    pub(crate) unsafe fn reduce_ptrs(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64, root: usize) -> Result<()> {
+    pub(crate) unsafe fn reduce_ptrs(
+        &mut self,
+        buf: *mut u8,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        factor: f64,
+        root: usize,
+    ) -> Result<()> {
         self.check_root(root)?;
         let red = self.reduction(dtype, op, factor)?;
         let d = self.begin(Kind::Reduce, dtype, Some(&red), count, root)?;

@@ -269,8 +269,7 @@ fn allreduce_and_reduce_match_reference_for_every_dtype_and_op() {
                         c.reduce(Buf::from_elems_mut(&mut rbuf), len, dtype, op, 0.5, root).unwrap();
                         let rgot = decode(dtype, &bytes_of(&rbuf)[..len * dtype.size()]);
                         for i in 0..len {
-                            let xs: Vec<f64> =
-                                (0..n).map(|r| decode(dtype, &encode(dtype, &[value(dtype, r, i, 3)]))[0]).collect();
+                            let xs: Vec<f64> = (0..n).map(|r| decode(dtype, &encode(dtype, &[value(dtype, r, i, 3)]))[0]).collect();
                             let want = reference(dtype, op, 0.5, &xs);
                             if got[i] != want {
                                 bad.push(format!("allreduce {dtype:?} {op:?} len={len} i={i}: {} != {want}", got[i]));
@@ -500,11 +499,15 @@ fn segments_are_private_and_checked_on_attach() {
     assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
     assert_eq!(std::fs::metadata(&path).unwrap().len() as usize, segment::segment_bytes(2, SLOT));
     // wrong group size
-    assert!(matches!(Communicator::attach(&path, 0, 3, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("created for 2 ranks")));
+    assert!(
+        matches!(Communicator::attach(&path, 0, 3, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("created for 2 ranks"))
+    );
     // (the failed attach unlinked it) bad magic
     let path = segment::create(&dir, 2, SLOT).unwrap();
     corrupt(&path, 0, b"NOTMAGIC");
-    assert!(matches!(Communicator::attach(&path, 0, 2, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("bad magic")));
+    assert!(
+        matches!(Communicator::attach(&path, 0, 2, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("bad magic"))
+    );
     // world size in the header mangled
     let path = segment::create(&dir, 2, SLOT).unwrap();
     corrupt(&path, 12, &7u32.to_ne_bytes());
@@ -512,7 +515,9 @@ fn segments_are_private_and_checked_on_attach() {
     // group-readable permissions are refused
     let path = segment::create(&dir, 2, SLOT).unwrap();
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-    assert!(matches!(Communicator::attach(&path, 0, 2, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("mode 0600")));
+    assert!(
+        matches!(Communicator::attach(&path, 0, 2, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("mode 0600"))
+    );
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "failed attaches must unlink");
     std::fs::remove_dir(&dir).unwrap();
 }
@@ -568,15 +573,17 @@ fn progress_queue_keeps_issue_order_and_results() {
                     if j == JOBS / 2 {
                         // An inline call in the middle: runs after the 6 queued before it.
                         let mut x = [r as f64 + 1.0; 5];
-                        // SAFETY: `x` lives across the call.
                         prog.run(|c| c.allreduce(Buf::from_elems_mut(&mut x), 5, DType::F64, ReduceOp::Max, 1.0)).unwrap();
                         assert_eq!(x, [N as f64; 5]);
                     }
                     let log = Arc::clone(&log);
                     last = prog.submit(
-                        // SAFETY: the buffers outlive the jobs: help_until below returns only
-                        // after the last job (and so every earlier one) has finished.
-                        Box::new(move |c| c.allreduce(unsafe { Buf::from_raw_parts(ptr as *mut u8, len * 8) }, len, DType::F64, ReduceOp::Sum, 1.0)),
+                        Box::new(move |c| {
+                            // SAFETY: the buffers outlive the jobs: help_until below returns
+                            // only after the last job (and so every earlier one) has finished.
+                            let b = unsafe { Buf::from_raw_parts(ptr as *mut u8, len * 8) };
+                            c.allreduce(b, len, DType::F64, ReduceOp::Sum, 1.0)
+                        }),
                         Box::new(move |res| log.lock().unwrap().push((j, res.is_ok()))),
                     );
                 }
@@ -666,10 +673,13 @@ fn progress_sync_call_from_a_callback_with_jobs_queued_fails_fast() {
     );
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let d2 = Arc::clone(&done);
-    let second = prog.submit(Box::new(|c| c.barrier()), Box::new(move |res| {
-        res.unwrap();
-        d2.store(true, std::sync::atomic::Ordering::SeqCst);
-    }));
+    let second = prog.submit(
+        Box::new(|c| c.barrier()),
+        Box::new(move |res| {
+            res.unwrap();
+            d2.store(true, std::sync::atomic::Ordering::SeqCst);
+        }),
+    );
     assert!(first < second);
     // Not help_until: that would run the first job (and its callback) on this thread.
     let t = std::time::Instant::now();

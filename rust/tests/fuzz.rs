@@ -140,15 +140,7 @@ fn oracle(f: &Fields, world: usize, file_len: u64) -> bool {
 fn header_strategy() -> impl Strategy<Value = Fields> {
     let valid = (1u32..=4, 1u64..=4, any::<u32>()).prop_map(|(w, k, pid)| {
         let slot = k * 4096;
-        Fields {
-            magic: MAGIC,
-            version: VERSION,
-            world: w,
-            slot,
-            total: layout_total(w as u128, slot as u128) as u64,
-            uid: uid(),
-            pid,
-        }
+        Fields { magic: MAGIC, version: VERSION, world: w, slot, total: layout_total(w as u128, slot as u128) as u64, uid: uid(), pid }
     });
     let mutation = prop_oneof![
         3 => Just(None),
@@ -311,9 +303,8 @@ fn peer_words(mine: [u64; DESC_WORDS]) -> impl Strategy<Value = [u64; DESC_WORDS
 #[test]
 fn random_descriptors_match_only_when_equal() {
     let tally = Tally::new("Desc::decode + check_peer_desc");
-    let strat = (1usize..=4)
-        .prop_flat_map(|n| (Just(n), local_desc(n)))
-        .prop_flat_map(|(n, mine)| (Just(n), Just(mine), peer_words(mine.words())));
+    let strat =
+        (1usize..=4).prop_flat_map(|n| (Just(n), local_desc(n))).prop_flat_map(|(n, mine)| (Just(n), Just(mine), peer_words(mine.words())));
     proptest!(config(PARSER_CASES), |((n, mine, words) in strat)| {
         tally.tick(words == mine.words());
         // A local descriptor decodes to itself.
@@ -418,16 +409,18 @@ fn a_scribbling_peer_makes_collectives_fail_not_crash() {
         let gate = Arc::new(std::sync::Barrier::new(3)); // 2 ranks + the attacker
         let done = Arc::new(AtomicBool::new(false));
         let ops = Arc::new(ops);
-        let ranks: Vec<_> = (0..2).map(|r| {
-            let (p, gate, ops) = (path.clone(), Arc::clone(&gate), Arc::clone(&ops));
-            std::thread::spawn(move || {
-                let mut c = Communicator::attach(&p, r, 2, Duration::from_secs(10)).unwrap();
-                c.set_timeout(LIVE_TIMEOUT);
-                gate.wait();
-                // Repeat the script so the attack lands in the middle of collectives.
-                (0..ROUNDS).flat_map(|_| ops.iter()).map(|&(op, count, root)| run_op(&mut c, op, count, root)).collect::<Vec<_>>()
+        let ranks: Vec<_> = (0..2)
+            .map(|r| {
+                let (p, gate, ops) = (path.clone(), Arc::clone(&gate), Arc::clone(&ops));
+                std::thread::spawn(move || {
+                    let mut c = Communicator::attach(&p, r, 2, Duration::from_secs(10)).unwrap();
+                    c.set_timeout(LIVE_TIMEOUT);
+                    gate.wait();
+                    // Repeat the script so the attack lands in the middle of collectives.
+                    (0..ROUNDS).flat_map(|_| ops.iter()).map(|&(op, count, root)| run_op(&mut c, op, count, root)).collect::<Vec<_>>()
+                })
             })
-        }).collect();
+            .collect();
         // Keep writing the garbage until the ranks are done: a peer that keeps lying.
         let attacker = {
             let (done, gate) = (Arc::clone(&done), Arc::clone(&gate));
@@ -463,12 +456,19 @@ fn a_scribbling_peer_makes_collectives_fail_not_crash() {
         let bound = LIVE_TIMEOUT * 4 * (ROUNDS * ops.len()) as u32 + Duration::from_secs(2);
         prop_assert!(start.elapsed() < bound, "took {:?}", start.elapsed());
         if start.elapsed() > Duration::from_secs(1) {
-            eprintln!("fuzz live: slow case ({:.1} s): {target:?} = {value:#x} after {delay_us} us, script {ops:?}", start.elapsed().as_secs_f64());
+            eprintln!(
+                "fuzz live: slow case ({:.1} s): {target:?} = {value:#x} after {delay_us} us, script {ops:?}",
+                start.elapsed().as_secs_f64()
+            );
         }
         tally.tick(results.iter().flatten().all(|(r, _)| r.is_ok()));
         if let Some(Err(e)) = results.iter().flatten().map(|(r, _)| r).find(|r| r.is_err()) {
             let name = |d: String| d.split('(').next().unwrap_or("?").to_string();
-            *first_errors.lock().unwrap().entry(format!("{} (garbage in {})", name(format!("{e:?}")), name(format!("{target:?}")))).or_insert(0) += 1;
+            *first_errors
+                .lock()
+                .unwrap()
+                .entry(format!("{} (garbage in {})", name(format!("{e:?}")), name(format!("{target:?}"))))
+                .or_insert(0) += 1;
         }
         for (r, res) in results.iter().enumerate() {
             for (k, (res, out)) in res.iter().enumerate() {
