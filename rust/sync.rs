@@ -19,6 +19,38 @@
 //!
 //! A rank that gets past a step while another rank last ran on its CPU yields once
 //! ([`wait_all`]), so that rank (likely waiting for the same step) leaves it at once.
+//!
+//! # Memory ordering
+//!
+//! Every load and store of a control block or of the group line is in this file (the
+//! accessors at the end serve `group.rs` and `single_copy.rs`). The choices:
+//!
+//! - `arrived`: Release store in [`arrive`], Acquire loads in [`wait_all`]. Everything a
+//!   rank wrote before arriving at step `s` (its slot, descriptor words, published
+//!   address) is visible to a rank that has seen `arrived >= s`; those writes and reads
+//!   can therefore be plain copies and Relaxed atomics.
+//! - `cpu`: Relaxed both ways; a scheduling hint, never used for correctness.
+//! - `pid`, `attached`: AcqRel claim / Acquire reads, since they are read during set-up,
+//!   before any step orders them.
+//! - `aborted`: SeqCst compare-exchange (the first aborter wins), Acquire reads.
+//!
+//! ## Sleeping and waking
+//!
+//! A sleeper must never sleep through the change it waits for (a lost wake would cost a
+//! whole [`SLEEP_SLICE`]). Sleeper: (1) `sleepers += 1`; (2) SeqCst fence; (3) `w =
+//! wake`; (4) re-check the condition (arrivals, aborted); (5) `futex_wait(wake, w)`,
+//! which returns at once if `wake != w`. Waker: (a) store the change (`arrived` or
+//! `aborted`); (b) SeqCst fence; (c) if `sleepers > 0`: `wake += 1` and `futex_wake`.
+//! The two fences order (1) before (4) and (a) before (c), so in the single total order
+//! of SeqCst fences either the sleeper's fence comes first, and then the waker's (c)
+//! sees the registration, or the waker's comes first, and then the sleeper's (4) sees
+//! the change. In the first case, if the bump of `wake` comes after (3), (5) does not
+//! sleep; if it comes before (3), (3) read it, and since the bump follows (a) in the
+//! waker's order (SeqCst RMW, release), (4) sees the change. Without the sleeper's fence
+//! the Acquire loads of (4) could be satisfied before the increment (1) is visible
+//! (allowed on weakly ordered CPUs such as aarch64), and both sides would miss each
+//! other. [`abort`] also bumps `wake` unconditionally, and the sleeper re-checks the
+//! aborted flag in (4), so an abort is never slept through either.
 
 use crate::error::{Error, Result};
 use crate::segment::{self, GroupLine, Segment, DESC_WORDS};
@@ -54,10 +86,11 @@ pub fn arrive(seg: &Segment, rank: usize, step: u64) {
     wake_sleepers(seg.group());
 }
 
+/// The waker's half of the protocol in "Sleeping and waking" (module docs): called after
+/// the store that changes a sleeper's condition (an arrival, the aborted flag).
 fn wake_sleepers(g: &GroupLine) {
-    // The SeqCst fence orders our counter store before the `sleepers` load; a sleeper
-    // increments `sleepers` (SeqCst) before re-checking the counters, so either we see it
-    // and wake it, or it sees our store (the Dekker pattern).
+    // This SeqCst fence, between our store and our read of `sleepers`, pairs with the
+    // sleeper's fence between its registration and its re-check (the Dekker pattern).
     fence(Ordering::SeqCst);
     if g.sleepers.load(Ordering::SeqCst) > 0 {
         g.wake.fetch_add(1, Ordering::SeqCst);
@@ -186,10 +219,15 @@ fn wait_arrivals(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     let g = seg.group();
     loop {
         check_stop(seg, step, ctx)?;
+        // Register as a sleeper, then (after a full fence) snapshot the futex word and
+        // re-check the condition: see "Sleeping and waking" in the module docs.
         g.sleepers.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         let w = g.wake.load(Ordering::SeqCst);
         let done = all_in();
-        if !done {
+        // An abort that bumped `wake` before our snapshot would not end the futex wait:
+        // re-check the flag after the snapshot too (`check_stop` then reports it).
+        if !done && aborted_by(seg).is_none() {
             let left = ctx.deadline.saturating_duration_since(Instant::now());
             futex_wait(&g.wake, w, left.min(SLEEP_SLICE));
         }
