@@ -71,6 +71,38 @@ impl Kind {
     }
 }
 
+/// How a call moves its data, decided by each rank from the call's size and the group's
+/// settings, and carried in the descriptor so that ranks that would take different paths
+/// (say, different single-copy thresholds) raise `Mismatch` instead of exchanging
+/// garbage. Wire codes are the discriminants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Transfer {
+    /// No data (barrier, a rejected call).
+    NoData = 0,
+    /// Through the chunk slots, one step per chunk.
+    Slots = 1,
+    /// Through the slots, two steps per chunk (the large allreduce).
+    SlotsTwoStep = 2,
+    /// Single-copy reads from the peers' processes (`process_vm_readv`).
+    SingleCopy = 3,
+}
+
+impl Transfer {
+    pub const ALL: [Transfer; 4] = [Transfer::NoData, Transfer::Slots, Transfer::SlotsTwoStep, Transfer::SingleCopy];
+    pub fn name(self) -> &'static str {
+        match self {
+            Transfer::NoData => "no data",
+            Transfer::Slots => "slots",
+            Transfer::SlotsTwoStep => "slots, two-step",
+            Transfer::SingleCopy => "single-copy",
+        }
+    }
+    pub fn from_code(c: u8) -> Option<Transfer> {
+        Transfer::ALL.into_iter().find(|p| *p as u8 == c)
+    }
+}
+
 /// Descriptor flag: this rank rejected its own arguments (`Communicator::fail`).
 pub(crate) const FLAG_FAIL: u64 = 1;
 
@@ -88,18 +120,36 @@ pub struct Desc {
     pub seq: u64,
     /// PREMUL_SUM's factor as f64 bits (0 otherwise): ranks must agree on it.
     pub factor: u64,
+    /// The transfer path ([`Transfer`] code) this rank takes for the call.
+    pub path: u8,
+    /// Bytes this rank moves per step of the call (slot chunk, or single-copy read size).
+    pub chunk: u64,
 }
 
 impl Desc {
-    /// The words published in the control block: kind | dtype << 8 | op << 16, flags,
-    /// count, root, seq, factor.
+    /// The words published in the control block: kind | dtype << 8 | op << 16 | path <<
+    /// 24, flags, count, root, seq, factor, chunk.
     pub fn words(&self) -> [u64; DESC_WORDS] {
-        [self.kind as u64 | (self.dtype as u64) << 8 | (self.op as u64) << 16, self.flags, self.count, self.root, self.seq, self.factor]
+        [
+            self.kind as u64 | (self.dtype as u64) << 8 | (self.op as u64) << 16 | (self.path as u64) << 24,
+            self.flags,
+            self.count,
+            self.root,
+            self.seq,
+            self.factor,
+            self.chunk,
+        ]
+    }
+
+    /// Records the path and per-step bytes this rank chose for the call.
+    pub(crate) fn route(&mut self, path: Transfer, chunk_bytes: usize) {
+        self.path = path as u8;
+        self.chunk = chunk_bytes as u64;
     }
     /// Decodes descriptor words read from a peer's control block in a group of `world`
     /// ranks. The words are untrusted, so each field is checked: a known kind, dtype and
     /// reduce-op code, the unused bits of word 0 and of `flags` clear, `root < world`.
-    /// `count`, `seq` and `factor` are only ever compared with the local descriptor, never
+    /// `count`, `seq`, `factor` and `chunk` are only ever compared with the local descriptor, never
     /// used as a size or an index. Never panics.
     ///
     /// Errors: `Mismatch` naming the first bad field.
@@ -113,9 +163,11 @@ impl Desc {
             root: w[3],
             seq: w[4],
             factor: w[5],
+            path: ((w[0] >> 24) & 0xff) as u8,
+            chunk: w[6],
         };
         let bad = |what: String| Err(Error::Mismatch(format!("malformed descriptor: {what}")));
-        if w[0] >> 24 != 0 {
+        if w[0] >> 32 != 0 {
             return bad(format!("reserved bits set in word 0 ({:#x})", w[0]));
         }
         if Kind::from_code(d.kind).is_none() {
@@ -127,6 +179,9 @@ impl Desc {
         if ReduceOp::from_code(d.op).is_err() {
             return bad(format!("unknown reduce op code {}", d.op));
         }
+        if Transfer::from_code(d.path).is_none() {
+            return bad(format!("unknown transfer path {}", d.path));
+        }
         if d.flags & !FLAG_FAIL != 0 {
             return bad(format!("unknown flags {:#x}", d.flags));
         }
@@ -136,8 +191,8 @@ impl Desc {
         Ok(d)
     }
     pub(crate) fn same_call(&self, o: &Desc) -> bool {
-        (self.kind, self.dtype, self.op, self.count, self.root, self.seq, self.factor)
-            == (o.kind, o.dtype, o.op, o.count, o.root, o.seq, o.factor)
+        (self.kind, self.dtype, self.op, self.count, self.root, self.seq, self.factor, self.path, self.chunk)
+            == (o.kind, o.dtype, o.op, o.count, o.root, o.seq, o.factor, o.path, o.chunk)
     }
     /// Human-readable form, robust to garbage read from a misbehaving peer.
     pub(crate) fn describe(&self) -> String {
@@ -156,7 +211,8 @@ impl Desc {
         if matches!(Kind::from_code(self.kind), Some(Kind::Broadcast | Kind::Reduce | Kind::Gather | Kind::Scatter)) {
             s += &format!(", root {}", self.root);
         }
-        s + ")"
+        let path = Transfer::from_code(self.path).map_or_else(|| format!("<path {}>", self.path), |p| p.name().to_string());
+        s + &format!(", via {path} in {}-byte steps)", self.chunk)
     }
 }
 

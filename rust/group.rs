@@ -280,6 +280,8 @@ impl Communicator {
             root: root as u64,
             seq: self.seq,
             factor: red.map_or(0, |r| r.factor.to_bits()),
+            path: 0,
+            chunk: 0,
         };
         self.seq += 1;
         self.kind = kind;

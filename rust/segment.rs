@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 /// `b"FLGOSSHM"` read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"FLGOSSHM");
 /// Bumped whenever the layout or the protocol changes.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// Cache-line stride used to separate words written by different ranks.
 pub const LINE: usize = 128;
 /// Bytes of one rank's control block.
@@ -83,7 +83,7 @@ pub struct GroupLine {
 }
 
 /// Number of u64 words in one collective descriptor.
-pub const DESC_WORDS: usize = 6;
+pub const DESC_WORDS: usize = 7;
 
 /// One rank's control block.
 #[repr(C)]

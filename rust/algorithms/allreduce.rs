@@ -2,8 +2,8 @@
 //! chunk), two-step above [`ONE_SHOT_MAX_BYTES`] (reduce-scatter, then allgather of the
 //! reduced slices; see the `algorithms` module docs).
 
-use super::{chunks, slice_bounds, ALLREDUCE_CMA_FACTOR, ONE_SHOT_MAX_BYTES};
-use crate::desc::Kind;
+use super::{chunks, slice_bounds, ALLREDUCE_CMA_FACTOR, CMA_CHUNK_BYTES, ONE_SHOT_MAX_BYTES};
+use crate::desc::{Kind, Transfer};
 use crate::error::Result;
 use crate::group::Communicator;
 use crate::reduce::{reduce_raw, DType, ReduceOp};
@@ -17,15 +17,18 @@ impl Communicator {
     /// the element size, and not accessed by anything else during the call.
     pub(crate) unsafe fn allreduce_ptrs(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
         let red = self.reduction(dtype, op, factor)?;
-        let d = self.begin(Kind::Allreduce, dtype, Some(&red), count, 0)?;
+        let mut d = self.begin(Kind::Allreduce, dtype, Some(&red), count, 0)?;
         let es = dtype.size();
         if self.single_copy((count * es) / ALLREDUCE_CMA_FACTOR) {
+            d.route(Transfer::SingleCopy, CMA_CHUNK_BYTES);
             // SAFETY: forwarded from this function's contract.
             return unsafe { self.allreduce_single_copy(buf, count, &red, &d) };
         }
         let two_step = self.n >= 2 && count * es > ONE_SHOT_MAX_BYTES;
+        let per = self.seg.slot_bytes() / es;
+        d.route(if two_step { Transfer::SlotsTwoStep } else { Transfer::Slots }, per * es);
         let mut srcs = vec![std::ptr::null::<u8>(); self.n];
-        for ch in chunks(count, self.seg.slot_bytes() / es) {
+        for ch in chunks(count, per) {
             let (off, len) = (ch.off, ch.len);
             let p = self.next_parity();
             let mine = self.slot(self.rank, p);

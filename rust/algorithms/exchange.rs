@@ -1,8 +1,8 @@
 //! Reduce-scatter and alltoall through the slots: each rank copies the chunk of each of
 //! its n pieces in; rank r reduces (alltoall: copies) piece r from every slot.
 
-use super::chunks;
-use crate::desc::Kind;
+use super::{chunks, CMA_CHUNK_BYTES};
+use crate::desc::{Kind, Transfer};
 use crate::error::Result;
 use crate::group::Communicator;
 use crate::reduce::{reduce_raw, DType, ReduceOp, Reduction};
@@ -20,14 +20,17 @@ impl Communicator {
     /// call.
     unsafe fn exchange(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, red: Option<Reduction>) -> Result<()> {
         let kind = if red.is_some() { Kind::ReduceScatter } else { Kind::Alltoall };
-        let d = self.begin(kind, dtype, red.as_ref(), count, 0)?;
+        let mut d = self.begin(kind, dtype, red.as_ref(), count, 0)?;
         let es = dtype.size();
         if let Some(red) = red.as_ref().filter(|_| self.single_copy(self.n * count * es)) {
+            d.route(Transfer::SingleCopy, CMA_CHUNK_BYTES);
             // SAFETY: forwarded from this function's contract.
             return unsafe { self.reduce_scatter_single_copy(input, output, count, red, &d) };
         }
+        let per = self.seg.slot_bytes() / es / self.n;
+        d.route(Transfer::Slots, per * es);
         let mut srcs = vec![std::ptr::null::<u8>(); self.n];
-        for ch in chunks(count, self.seg.slot_bytes() / es / self.n) {
+        for ch in chunks(count, per) {
             let (off, len) = (ch.off, ch.len);
             let p = self.next_parity();
             for q in 0..self.n {

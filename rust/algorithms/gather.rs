@@ -2,7 +2,7 @@
 //! its chunk in; all ranks (gather: the root; scatter: each its own piece) copy out.
 
 use super::chunks;
-use crate::desc::Kind;
+use crate::desc::{Kind, Transfer};
 use crate::error::Result;
 use crate::group::Communicator;
 use crate::reduce::DType;
@@ -23,13 +23,16 @@ impl Communicator {
             self.check_root(q)?;
         }
         let kind = if root.is_some() { Kind::Gather } else { Kind::Allgather };
-        let d = self.begin(kind, dtype, None, count, root.unwrap_or(0))?;
+        let mut d = self.begin(kind, dtype, None, count, root.unwrap_or(0))?;
         let es = dtype.size();
         if root.is_none() && self.single_copy(self.n * count * es) {
+            d.route(Transfer::SingleCopy, count * es);
             // SAFETY: forwarded from this function's contract.
             return unsafe { self.allgather_single_copy(input, output, count * es, &d) };
         }
-        for ch in chunks(count, self.seg.slot_bytes() / es) {
+        let per = self.seg.slot_bytes() / es;
+        d.route(Transfer::Slots, per * es);
+        for ch in chunks(count, per) {
             let p = self.next_parity();
             // SAFETY: range inside the caller's input; len * es <= slot_bytes.
             unsafe { copy_nonoverlapping(input.add(ch.off * es), self.slot(self.rank, p), ch.len * es) };
@@ -74,9 +77,11 @@ impl Communicator {
     /// writable for `count`; neither accessed by anything else during the call.
     pub(crate) unsafe fn scatter_ptrs(&mut self, input: *const u8, output: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
         self.check_root(root)?;
-        let d = self.begin(Kind::Scatter, dtype, None, count, root)?;
+        let mut d = self.begin(Kind::Scatter, dtype, None, count, root)?;
         let es = dtype.size();
-        for ch in chunks(count, self.seg.slot_bytes() / es / self.n) {
+        let per = self.seg.slot_bytes() / es / self.n;
+        d.route(Transfer::Slots, per * es);
+        for ch in chunks(count, per) {
             let (off, len) = (ch.off, ch.len);
             let p = self.next_parity();
             if self.rank == root {

@@ -8,9 +8,11 @@
 //! Every collective streams its message through the per-rank chunk slots, one chunk per
 //! step (two for the large allreduce), so any message size fits a segment of a fixed size.
 //! The first step of every collective also exchanges a *descriptor* (kind, dtype, count,
-//! reduce op, root, sequence number): before reading any peer data, each rank compares
-//! all descriptors, so ranks that issued different collectives at the same position of the
-//! group's sequence, or a rank whose arguments failed validation ([`Communicator::fail`]),
+//! reduce op, root, sequence number, and the transfer path and bytes per step the rank
+//! chose, [`Transfer`]): before reading any peer data, each rank compares all
+//! descriptors, so ranks that issued different collectives at the same position of the
+//! group's sequence, ranks that would move the data differently (say, with different
+//! single-copy thresholds), or a rank whose arguments failed validation ([`Communicator::fail`]),
 //! make every rank raise `Mismatch` after that one step. All ranks then have taken the
 //! same number of steps and the group stays usable. A timeout, a dead peer or an interrupt
 //! leaves the ranks at different steps, so it aborts the group for everyone instead.
@@ -44,7 +46,7 @@ use crate::reduce::{DType, ReduceOp};
 use crate::segment;
 use std::path::Path;
 
-pub use crate::desc::{check_peer_desc, Desc, Kind};
+pub use crate::desc::{check_peer_desc, Desc, Kind, Transfer};
 pub use crate::group::{AbortHandle, Communicator, InterruptHook, ATTACH_STEPS};
 
 /// Allreduce messages up to this many bytes use the one-shot algorithm. Below it the

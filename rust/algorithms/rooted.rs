@@ -2,7 +2,7 @@
 //! (broadcast), or every rank copies in and the root reduces (reduce), one chunk per step.
 
 use super::chunks;
-use crate::desc::Kind;
+use crate::desc::{Kind, Transfer};
 use crate::error::Result;
 use crate::group::Communicator;
 use crate::reduce::{reduce_raw, DType, ReduceOp};
@@ -16,9 +16,11 @@ impl Communicator {
     /// elsewhere, not accessed by anything else during the call.
     pub(crate) unsafe fn broadcast_ptrs(&mut self, buf: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
         self.check_root(root)?;
-        let d = self.begin(Kind::Broadcast, dtype, None, count, root)?;
+        let mut d = self.begin(Kind::Broadcast, dtype, None, count, root)?;
         let es = dtype.size();
-        for ch in chunks(count, self.seg.slot_bytes() / es) {
+        let per = self.seg.slot_bytes() / es;
+        d.route(Transfer::Slots, per * es);
+        for ch in chunks(count, per) {
             let p = self.next_parity();
             if self.rank == root {
                 // SAFETY: range inside the caller's buffer; len * es <= slot_bytes.
@@ -51,9 +53,11 @@ impl Communicator {
     ) -> Result<()> {
         self.check_root(root)?;
         let red = self.reduction(dtype, op, factor)?;
-        let d = self.begin(Kind::Reduce, dtype, Some(&red), count, root)?;
+        let mut d = self.begin(Kind::Reduce, dtype, Some(&red), count, root)?;
         let es = dtype.size();
-        for ch in chunks(count, self.seg.slot_bytes() / es) {
+        let per = self.seg.slot_bytes() / es;
+        d.route(Transfer::Slots, per * es);
+        for ch in chunks(count, per) {
             let p = self.next_parity();
             // SAFETY: range inside the caller's buffer; len * es <= slot_bytes.
             unsafe { copy_nonoverlapping(buf.add(ch.off * es), self.slot(self.rank, p), ch.len * es) };

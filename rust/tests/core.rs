@@ -749,3 +749,37 @@ fn too_short_buffers_are_refused_by_name_and_nothing_is_written() {
     assert_eq!(ok, &[3.0; 4]);
     assert_eq!(outs[0].2, [3.0; 4]);
 }
+
+#[test]
+fn ranks_that_would_take_different_transfer_paths_raise_mismatch_not_wrong_data() {
+    // Rank 0 uses single-copy transfers from 1 byte, rank 1 never does (as with different
+    // single-copy settings per rank): every rank must raise Mismatch naming both paths,
+    // leave its buffer untouched, and the group must stay usable.
+    let outs = with_group(2, SLOT, |rank, c| {
+        let available = c.single_copy_min_bytes().is_some();
+        c.set_single_copy_min_bytes(if rank == 0 { Some(1) } else { None });
+        let mut buf = vec![rank as f32 + 1.0; 4096];
+        let r = c.allreduce(Buf::from_elems_mut(&mut buf), 4096, DType::F32, ReduceOp::Sum, 1.0);
+        let mut g_out = vec![0f32; 2 * 4096];
+        let g = c.allgather(Buf::from_elems(&buf), Buf::from_elems_mut(&mut g_out), 4096, DType::F32);
+        let untouched = buf.iter().all(|&v| v == rank as f32 + 1.0) && g_out.iter().all(|&v| v == 0.0);
+        c.set_single_copy_min_bytes(None);
+        let mut ok = vec![rank as f32 + 1.0; 4096];
+        c.allreduce(Buf::from_elems_mut(&mut ok), 4096, DType::F32, ReduceOp::Sum, 1.0).unwrap();
+        (available, r, g, untouched, ok.iter().all(|&v| v == 3.0))
+    });
+    if !outs[0].0 {
+        eprintln!("single-copy transfers unavailable here; nothing to disagree on");
+        return;
+    }
+    for (rank, (_, r, g, untouched, ok)) in outs.into_iter().enumerate() {
+        for (what, r) in [("allreduce", r), ("allgather", g)] {
+            match r {
+                Err(Error::Mismatch(m)) => assert!(m.contains("single-copy") && m.contains("via slots"), "rank {rank} {what}: {m}"),
+                other => panic!("rank {rank} {what}: expected Mismatch, got {other:?}"),
+            }
+        }
+        assert!(untouched, "rank {rank}: a mismatched call wrote its buffers");
+        assert!(ok, "rank {rank}: the group is not usable afterwards");
+    }
+}

@@ -13,7 +13,7 @@
 //! `PROPTEST_CASES=200000 FLAGOS_SHM_FUZZ_LIVE_CASES=1000 cargo test --release --test fuzz -- --nocapture`
 //! (each test prints its case count and time).
 
-use flagos_shm::algorithms::{check_peer_desc, Desc, ATTACH_STEPS};
+use flagos_shm::algorithms::{check_peer_desc, Desc, Transfer, ATTACH_STEPS};
 use flagos_shm::reduce::{DType, ReduceOp};
 use flagos_shm::segment::{self, Segment, DESC_WORDS, HEADER_BYTES, MAGIC, NAME_PREFIX, VERSION};
 use flagos_shm::{Buf, Communicator, Error, Kind};
@@ -265,8 +265,11 @@ fn random_header_files_open_only_when_valid() {
 
 /// A descriptor a well-behaved rank of a `world`-rank group could publish.
 fn local_desc(world: usize) -> impl Strategy<Value = Desc> {
-    (0..Kind::ALL.len(), 0..DType::ALL.len(), 0..ReduceOp::ALL.len(), any::<u64>(), 0..world as u64, any::<u64>(), any::<u64>()).prop_map(
-        |(k, d, o, count, root, seq, factor)| Desc {
+    (
+        (0..Kind::ALL.len(), 0..DType::ALL.len(), 0..ReduceOp::ALL.len(), any::<u64>(), 0..world as u64, any::<u64>(), any::<u64>()),
+        (0..Transfer::ALL.len(), any::<u64>()),
+    )
+        .prop_map(|((k, d, o, count, root, seq, factor), (path, chunk))| Desc {
             kind: Kind::ALL[k] as u8,
             dtype: DType::ALL[d] as u32,
             op: ReduceOp::ALL[o] as u32,
@@ -275,12 +278,13 @@ fn local_desc(world: usize) -> impl Strategy<Value = Desc> {
             root,
             seq: seq % 1000,
             factor,
-        },
-    )
+            path: Transfer::ALL[path] as u8,
+            chunk,
+        })
 }
 
 /// What a peer's control block holds: our own words, our words with a few bits flipped
-/// or a word replaced, or 6 random words.
+/// or a word replaced, or random words.
 fn peer_words(mine: [u64; DESC_WORDS]) -> impl Strategy<Value = [u64; DESC_WORDS]> {
     prop_oneof![
         2 => Just(mine),
@@ -296,7 +300,7 @@ fn peer_words(mine: [u64; DESC_WORDS]) -> impl Strategy<Value = [u64; DESC_WORDS
             w[i] = v;
             w
         }),
-        2 => prop::array::uniform6(any::<u64>()),
+        2 => prop::array::uniform7(any::<u64>()),
     ]
 }
 
@@ -548,7 +552,18 @@ fn a_forged_descriptor_is_reported() {
     // (0xff), then the arrival.
     let step = ATTACH_STEPS + 1;
     let parity = (step % 2) as usize;
-    let honest = Desc { kind: Kind::Barrier as u8, dtype: DType::U8 as u32, op: 0, flags: 0, count: 0, root: 0, seq: 0, factor: 0 };
+    let honest = Desc {
+        kind: Kind::Barrier as u8,
+        dtype: DType::U8 as u32,
+        op: 0,
+        flags: 0,
+        count: 0,
+        root: 0,
+        seq: 0,
+        factor: 0,
+        path: 0,
+        chunk: 0,
+    };
     let mut lie = honest.words();
     lie[0] |= 0xff;
     for (w, v) in evil.ctrl(1).desc[parity].iter().zip(lie) {
