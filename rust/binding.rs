@@ -24,6 +24,7 @@ use crate::reduce::{DType, ReduceOp};
 use crate::segment::{self, DEFAULT_SLOT_BYTES};
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use std::mem::ManuallyDrop;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -116,7 +117,13 @@ fn segment_bytes(world_size: usize, slot_bytes: usize) -> PyResult<usize> {
 /// `timeout_s` overrides the communicator's timeout for one call.
 #[pyclass(name = "Communicator", module = "flagos_shm._core")]
 struct PyCommunicator {
-    inner: Progress,
+    /// Dropped (closed) only in the process that created it; see `Drop`.
+    inner: ManuallyDrop<Progress>,
+    /// The process that created the communicator. After a fork, the child has a copy of
+    /// the mapping, the counters' values and the locks, but not the progress thread: any
+    /// use there would pair with the parent's peers (taking the parent's place) or wait
+    /// on a lock held by a thread that does not exist. Every method checks it first.
+    owner_pid: u32,
     aborter: AbortHandle,
     pending: Pending,
     #[pyo3(get)]
@@ -136,6 +143,27 @@ struct PyCommunicator {
 }
 
 impl PyCommunicator {
+    /// Whether this process created the communicator (false in a forked child).
+    fn owned(&self) -> bool {
+        std::process::id() == self.owner_pid
+    }
+
+    /// `RuntimeError` unless called in the process that created the communicator; checked
+    /// before anything touches the segment, the counters or the progress thread's locks.
+    fn check_owner(&self) -> PyResult<()> {
+        if self.owned() {
+            return Ok(());
+        }
+        Err(PyRuntimeError::new_err(format!(
+            "flagos_shm: this communicator (rank {} of {}) was created by pid {}, used in pid {}: \
+             a forked child must create its own process group",
+            self.rank,
+            self.world_size,
+            self.owner_pid,
+            std::process::id()
+        )))
+    }
+
     /// Runs `f` on the communicator on the calling thread with the GIL released, after
     /// every previously submitted collective has finished.
     fn run<R: Send>(
@@ -144,6 +172,7 @@ impl PyCommunicator {
         timeout_s: Option<f64>,
         f: impl FnOnce(&mut Communicator) -> Result<R, Error> + Send,
     ) -> PyResult<R> {
+        self.check_owner()?;
         let t = timeout_s.map(|s| duration("timeout_s", s)).transpose()?;
         py.detach(|| self.inner.run(|comm| with_timeout(comm, t, f))).map_err(|e| to_py(e, Some(&self.pending)))
     }
@@ -159,6 +188,7 @@ impl PyCommunicator {
         done: Option<Py<PyAny>>,
         f: impl FnOnce(&mut Communicator) -> Result<(), Error> + Send + 'static,
     ) -> PyResult<u64> {
+        self.check_owner()?;
         let Some(callback) = done else {
             return self.run(py, timeout_s, f).map(|()| 0);
         };
@@ -201,9 +231,17 @@ fn with_timeout<R>(
 
 impl Drop for PyCommunicator {
     fn drop(&mut self) {
+        if !self.owned() {
+            // A forked child's copy: closing would join a thread that does not exist here
+            // and take locks a parent thread may have held at the fork. Leave it alone
+            // (the mapping goes away when the child exits); nothing is written or unlinked.
+            return;
+        }
         // Joining the progress thread needs the GIL released: its completion callbacks take it.
         let inner = &self.inner;
         Python::attach(|py| py.detach(|| inner.close()));
+        // SAFETY: dropped once, here, and `self.inner` is not used afterwards.
+        unsafe { ManuallyDrop::drop(&mut self.inner) };
     }
 }
 
@@ -239,7 +277,8 @@ impl PyCommunicator {
             slot_bytes: comm.slot_bytes(),
             segment_bytes: comm.segment_len(),
             single_copy_min_bytes: comm.single_copy_min_bytes(),
-            inner: Progress::new(comm),
+            inner: ManuallyDrop::new(Progress::new(comm)),
+            owner_pid: std::process::id(),
             pending,
             rank,
             world_size,
@@ -249,8 +288,9 @@ impl PyCommunicator {
 
     /// Number of collectives issued on this communicator so far.
     #[getter]
-    fn seq(&self, py: Python<'_>) -> u64 {
-        py.detach(|| self.inner.run(|c| Ok(c.seq())).unwrap_or(0))
+    fn seq(&self, py: Python<'_>) -> PyResult<u64> {
+        self.check_owner()?;
+        Ok(py.detach(|| self.inner.run(|c| Ok(c.seq())).unwrap_or(0)))
     }
 
     /// Sets the default timeout of later calls, in seconds.
@@ -454,6 +494,7 @@ impl PyCommunicator {
     /// arrives while the call runs on the progress thread; the call itself goes on (the
     /// caller aborts the group to stop it).
     fn wait_ticket(&self, py: Python<'_>, ticket: u64) -> PyResult<()> {
+        self.check_owner()?;
         let raised: Pending = Arc::new(Mutex::new(None));
         let stop = || {
             Python::attach(|py| match py.check_signals() {
@@ -472,20 +513,28 @@ impl PyCommunicator {
     }
 
     /// Aborts the group: every rank's pending and later calls raise RuntimeError. Safe to
-    /// call from another thread while a collective is running.
+    /// call from another thread while a collective is running. Does nothing in a process
+    /// other than the creator (a forked child must not abort its parent's group).
     fn abort(&self) {
-        self.aborter.abort();
+        if self.owned() {
+            self.aborter.abort();
+        }
     }
 
     /// Unmaps the segment; later calls raise RuntimeError. Idempotent. Waits for a running
-    /// collective on this communicator to finish (abort() first to cut it short).
+    /// collective on this communicator to finish (abort() first to cut it short). In a
+    /// process other than the creator (a forked child) it does nothing: the parent's
+    /// group is not touched.
     fn close(&self, py: Python<'_>) {
-        py.detach(|| self.inner.close());
+        if self.owned() {
+            py.detach(|| self.inner.close());
+        }
     }
 
+    /// Whether `close` was called (always true in a forked child, where it is unusable).
     #[getter]
     fn closed(&self, py: Python<'_>) -> bool {
-        py.detach(|| self.inner.is_closed())
+        !self.owned() || py.detach(|| self.inner.is_closed())
     }
 
     fn __repr__(&self) -> String {
