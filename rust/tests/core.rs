@@ -634,7 +634,7 @@ fn progress_close_after_abort_fails_queued_jobs() {
     prog.close();
     let errors = errors.lock().unwrap();
     assert_eq!(errors.len(), 4);
-    assert!(errors.iter().all(|e| e.contains("abort")), "{errors:?}");
+    assert!(errors.iter().all(|e| e.contains("abort") || e.contains("shut down")), "{errors:?}");
     let errors2 = Arc::new(Mutex::new(None));
     let e2 = Arc::clone(&errors2);
     assert_eq!(prog.submit(Box::new(|c| c.barrier()), Box::new(move |res| *e2.lock().unwrap() = Some(res.is_err()))), 0);
@@ -782,4 +782,39 @@ fn ranks_that_would_take_different_transfer_paths_raise_mismatch_not_wrong_data(
         assert!(untouched, "rank {rank}: a mismatched call wrote its buffers");
         assert!(ok, "rank {rank}: the group is not usable afterwards");
     }
+}
+
+/// Closing with queued jobs that the peer never issues does not wait for their timeouts:
+/// the running one is cut short by the abort, the queued ones fail without running.
+#[test]
+fn progress_close_with_unmatched_queued_jobs_is_prompt() {
+    use flagos_shm::progress::{Progress, SHUT_DOWN};
+    use std::sync::Mutex;
+    let dir = tmpdir();
+    let path = segment::create(&dir, 2, SLOT).unwrap();
+    let p = path.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    // Rank 1 attaches and then issues nothing until rank 0 is done.
+    let peer = std::thread::spawn(move || {
+        let c = Communicator::attach(&p, 1, 2, Duration::from_secs(60)).unwrap();
+        let _ = rx.recv_timeout(Duration::from_secs(60));
+        drop(c);
+    });
+    let prog = Progress::new(Communicator::attach(&path, 0, 2, Duration::from_secs(60)).unwrap());
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    for _ in 0..4 {
+        let errors = Arc::clone(&errors);
+        prog.submit(Box::new(|c| c.barrier()), Box::new(move |res| errors.lock().unwrap().push(res.unwrap_err().to_string())));
+    }
+    let t = std::time::Instant::now();
+    prog.close();
+    let took = t.elapsed();
+    tx.send(()).unwrap();
+    peer.join().unwrap();
+    let errors = errors.lock().unwrap();
+    assert_eq!(errors.len(), 4, "{errors:?}");
+    assert!(errors.iter().filter(|e| e.contains(SHUT_DOWN)).count() >= 3, "{errors:?}");
+    assert!(took < Duration::from_secs(5), "close took {took:?} with a 60 s timeout");
+    eprintln!("close with 4 unmatched jobs took {took:?}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }
