@@ -521,8 +521,10 @@ impl PyCommunicator {
         }
     }
 
-    /// Unmaps the segment; later calls raise RuntimeError. Idempotent. Waits for a running
-    /// collective on this communicator to finish (abort() first to cut it short). In a
+    /// Unmaps the segment; later calls raise RuntimeError. Idempotent. With collectives
+    /// still queued or running it aborts the group first: the running one raises at once
+    /// and every queued one completes with RuntimeError ("the process group was shut down
+    /// with this collective still queued") without running. In a
     /// process other than the creator (a forked child) it does nothing: the parent's
     /// group is not touched.
     fn close(&self, py: Python<'_>) {

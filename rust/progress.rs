@@ -14,8 +14,9 @@
 //! The thread is started on the first submission (groups that never go asynchronous cost
 //! no thread) and sleeps on a condition variable while the queue is empty: an idle group
 //! uses no CPU. Every collective, inline or queued, honours the communicator's timeout and
-//! abort flag, so a queued job cannot wait forever; [`Progress::close`] lets the queue
-//! drain, joins the thread and drops the communicator (unmapping the segment).
+//! abort flag, so a queued job cannot wait forever; [`Progress::close`] aborts the group
+//! if work is still queued or running (queued jobs then fail without running), joins the
+//! thread and drops the communicator (unmapping the segment).
 //!
 //! Locking: `state` guards the queue and the "a collective is running" flag; `comm` is
 //! held only while a collective runs. Completion callbacks run with neither lock held, so
