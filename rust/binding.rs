@@ -24,7 +24,6 @@ use crate::reduce::{DType, ReduceOp};
 use crate::segment::{self, DEFAULT_SLOT_BYTES};
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use std::mem::ManuallyDrop;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -117,8 +116,9 @@ fn segment_bytes(world_size: usize, slot_bytes: usize) -> PyResult<usize> {
 /// `timeout_s` overrides the communicator's timeout for one call.
 #[pyclass(name = "Communicator", module = "flagos_shm._core")]
 struct PyCommunicator {
-    /// Dropped (closed) only in the process that created it; see `Drop`.
-    inner: ManuallyDrop<Progress>,
+    /// Closed and dropped only in the process that created it; see `Drop` (a forked
+    /// child leaks one reference, so its copy is never dropped).
+    inner: Arc<Progress>,
     /// The process that created the communicator. After a fork, the child has a copy of
     /// the mapping, the counters' values and the locks, but not the progress thread: any
     /// use there would pair with the parent's peers (taking the parent's place) or wait
@@ -232,16 +232,16 @@ fn with_timeout<R>(
 impl Drop for PyCommunicator {
     fn drop(&mut self) {
         if !self.owned() {
-            // A forked child's copy: closing would join a thread that does not exist here
-            // and take locks a parent thread may have held at the fork. Leave it alone
-            // (the mapping goes away when the child exits); nothing is written or unlinked.
+            // A forked child's copy: closing (also `Progress`'s own Drop) would join a
+            // thread that does not exist here and take locks a parent thread may have held
+            // at the fork. Leak a reference so it is never dropped (the mapping goes away
+            // when the child exits); nothing is written or unlinked.
+            std::mem::forget(Arc::clone(&self.inner));
             return;
         }
         // Joining the progress thread needs the GIL released: its completion callbacks take it.
         let inner = &self.inner;
         Python::attach(|py| py.detach(|| inner.close()));
-        // SAFETY: dropped once, here, and `self.inner` is not used afterwards.
-        unsafe { ManuallyDrop::drop(&mut self.inner) };
     }
 }
 
@@ -277,7 +277,7 @@ impl PyCommunicator {
             slot_bytes: comm.slot_bytes(),
             segment_bytes: comm.segment_len(),
             single_copy_min_bytes: comm.single_copy_min_bytes(),
-            inner: ManuallyDrop::new(Progress::new(comm)),
+            inner: Arc::new(Progress::new(comm)),
             owner_pid: std::process::id(),
             pending,
             rank,
