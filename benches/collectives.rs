@@ -26,7 +26,7 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use flagos_shm::segment::{self, DEFAULT_SLOT_BYTES};
-use flagos_shm::{Communicator, DType, ReduceOp};
+use flagos_shm::{Buf, Communicator, DType, ReduceOp};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
@@ -85,19 +85,15 @@ impl Buffers {
 
     /// Runs `op` on `count` elements (see `Op::count`) `iters` times; stops at the first error.
     fn run(&mut self, comm: &mut Communicator, op: Op, count: usize, iters: u64) -> Result<(), String> {
-        let input = self.input.as_mut_ptr().cast::<u8>();
-        let output = self.output.as_mut_ptr().cast::<u8>();
         for _ in 0..iters {
-            // SAFETY: `Op::count` keeps count (allreduce, broadcast) and RANKS * count
-            // (allgather output, reduce-scatter input) within MAX_ELEMS, the length of both
-            // buffers; the two buffers do not overlap and live for the whole call.
-            let r = unsafe {
-                match op {
-                    Op::Allreduce => comm.allreduce(input, count, DType::F32, ReduceOp::Sum, 1.0),
-                    Op::Allgather => comm.allgather(input, output, count, DType::F32),
-                    Op::ReduceScatter => comm.reduce_scatter(input, output, count, DType::F32, ReduceOp::Sum, 1.0),
-                    Op::Broadcast => comm.broadcast(input, count, DType::F32, 0),
-                }
+            // `Op::count` keeps count (allreduce, broadcast) and RANKS * count (allgather
+            // output, reduce-scatter input) within MAX_ELEMS, the length of both buffers.
+            let (input, output) = (Buf::from_elems_mut(&mut self.input), Buf::from_elems_mut(&mut self.output));
+            let r = match op {
+                Op::Allreduce => comm.allreduce(input, count, DType::F32, ReduceOp::Sum, 1.0),
+                Op::Allgather => comm.allgather(input, output, count, DType::F32),
+                Op::ReduceScatter => comm.reduce_scatter(input, output, count, DType::F32, ReduceOp::Sum, 1.0),
+                Op::Broadcast => comm.broadcast(input, count, DType::F32, 0),
             };
             r.map_err(|e| format!("{} of {count} elements failed: {e}", op.name()))?;
         }
@@ -173,7 +169,7 @@ fn serve(path: &std::path::Path, mut sock: UnixStream, parent: libc::pid_t, cpu:
     // re-parented); attach unlinks the segment file on this error.
     // SAFETY: getppid has no preconditions and cannot fail.
     let orphaned = move || unsafe { libc::getppid() } != parent;
-    let mut comm = match Communicator::attach_with(path, 1, RANKS, Duration::from_secs(60), Some(&orphaned)) {
+    let mut comm = match Communicator::attach_with(path, 1, RANKS, Duration::from_secs(60), Some(&orphaned), &[]) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("collectives bench, rank 1: attach failed: {e}");
@@ -213,7 +209,11 @@ impl Peer {
         // SAFETY: `pid` is our own child, not yet reaped; `status` is a valid out-pointer.
         let rc = unsafe { libc::waitpid(self.pid, &mut status, 0) };
         self.reaped = true;
-        if rc == self.pid { Ok(status) } else { Err(std::io::Error::last_os_error()) }
+        if rc == self.pid {
+            Ok(status)
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
     }
 
     /// Tells rank 1 to stop and reaps it; panics unless it exited with status 0.
@@ -258,8 +258,7 @@ fn bench(c: &mut Criterion) {
         // Rank 1. Drop rank 0's end of the socket so that read sees end-of-file once rank 0
         // is gone; never return into criterion: leave with _exit, also on a panic.
         drop(sock);
-        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(&path, child_sock, parent, cpu(1))))
-            .unwrap_or(2);
+        let code = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| serve(&path, child_sock, parent, cpu(1)))).unwrap_or(2);
         // SAFETY: _exit ends this process at once, without running the parent's atexit
         // handlers or flushing its copied stdio buffers.
         unsafe { libc::_exit(code) };

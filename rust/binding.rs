@@ -1,8 +1,10 @@
 //! PyO3 binding: the extension module `flagos_shm._core`.
 //!
-//! Buffers are passed as raw addresses (`tensor.data_ptr()`) and element counts, so the
-//! Python side copies nothing; the Python layer (`flagos_shm.staging`) guarantees that
-//! each address points to contiguous host memory of the stated dtype and length, and keeps
+//! Buffers are passed as raw addresses (`tensor.data_ptr()`), each followed by its length
+//! in bytes, plus an element count, so the Python side copies nothing. The core checks
+//! the count against every byte length (`ValueError` naming the argument otherwise,
+//! before anything is written); the Python layer (`flagos_shm.staging`) guarantees that
+//! each address and length describe contiguous host memory, and keeps
 //! the tensor alive for the call (for a call given a `done` callback: until the callback
 //! has been called). Every collective releases the GIL for its whole
 //! duration; while it waits it re-takes the GIL briefly every few milliseconds only to
@@ -15,6 +17,7 @@
 //! raised) when interrupted.
 
 use crate::algorithms::{AbortHandle, Communicator, Kind, ONE_SHOT_MAX_BYTES};
+use crate::buffer::Buf;
 use crate::error::Error;
 use crate::progress::{self, Progress};
 use crate::reduce::{DType, ReduceOp};
@@ -36,9 +39,9 @@ fn to_py(e: Error, pending: Option<&Pending>) -> PyErr {
             Some(errno) => PyOSError::new_err((errno, e.to_string())),
             None => PyOSError::new_err(e.to_string()),
         },
-        Error::Interrupted(_) => pending
-            .and_then(|p| p.lock().ok().and_then(|mut g| g.take()))
-            .unwrap_or_else(|| PyRuntimeError::new_err(e.to_string())),
+        Error::Interrupted(_) => {
+            pending.and_then(|p| p.lock().ok().and_then(|mut g| g.take())).unwrap_or_else(|| PyRuntimeError::new_err(e.to_string()))
+        }
         Error::Timeout(m) | Error::PeerDied(m) | Error::Aborted(m) => PyRuntimeError::new_err(m),
     }
 }
@@ -56,14 +59,21 @@ fn reduce_op(code: u32) -> PyResult<ReduceOp> {
     ReduceOp::from_code(code).map_err(|e| to_py(e, None))
 }
 
-fn need_ptr(name: &str, ptr: usize, numel: usize, es: usize) -> PyResult<()> {
-    if numel > 0 && ptr == 0 {
-        return Err(PyValueError::new_err(format!("{name}: null buffer address for {numel} elements")));
+/// The one place where caller memory becomes a [`Buf`]: `nbytes` bytes at address `ptr`
+/// (argument `name`). The core checks every count against `nbytes`; here only the range
+/// itself is checked (not null when non-empty, no wrap-around).
+fn host_buf(name: &str, ptr: usize, nbytes: usize) -> PyResult<Buf<'static>> {
+    if nbytes > 0 && ptr == 0 {
+        return Err(PyValueError::new_err(format!("{name}: null buffer address for {nbytes} bytes")));
     }
-    if ptr % es != 0 {
-        return Err(PyValueError::new_err(format!("{name}: address {ptr:#x} is not aligned to the element size {es}")));
+    if ptr.checked_add(nbytes).is_none_or(|end| end > isize::MAX as usize) {
+        return Err(PyValueError::new_err(format!("{name}: {nbytes} bytes at {ptr:#x} wrap around the address space")));
     }
-    Ok(())
+    // SAFETY: binding contract (module docs): the Python layer passes the address and byte
+    // length of live, contiguous host memory (a tensor's storage) that it keeps alive and
+    // leaves alone until the call returns or, for a queued call, until its `done` callback
+    // has been called. The core never accesses more than `nbytes` bytes from `ptr`.
+    Ok(unsafe { Buf::from_raw_parts(ptr as *mut u8, nbytes) })
 }
 
 /// Creates a shared-memory segment for `world_size` ranks with `slot_bytes` per chunk
@@ -100,12 +110,20 @@ fn segment_bytes(world_size: usize, slot_bytes: usize) -> PyResult<usize> {
 /// `path`, checks its header, waits until all `world_size` ranks attached (at most
 /// `timeout_s` seconds; `RuntimeError` at once if a rank whose process id is in
 /// `peer_pids`, a list indexed by rank with 0 for unknown, exits before attaching) and
-/// unlinks the file. Collectives take buffer addresses and element counts; `dtype` is
+/// unlinks the file. Collectives take buffer addresses, each followed by its length in
+/// bytes, and element counts; `dtype` is
 /// a torch dtype name, `op` torch's `RedOpType` number, `factor` PREMUL_SUM's factor,
 /// `timeout_s` overrides the communicator's timeout for one call.
 #[pyclass(name = "Communicator", module = "flagos_shm._core")]
 struct PyCommunicator {
-    inner: Progress,
+    /// Closed and dropped only in the process that created it; see `Drop` (a forked
+    /// child leaks one reference, so its copy is never dropped).
+    inner: Arc<Progress>,
+    /// The process that created the communicator. After a fork, the child has a copy of
+    /// the mapping, the counters' values and the locks, but not the progress thread: any
+    /// use there would pair with the parent's peers (taking the parent's place) or wait
+    /// on a lock held by a thread that does not exist. Every method checks it first.
+    owner_pid: u32,
     aborter: AbortHandle,
     pending: Pending,
     #[pyo3(get)]
@@ -125,6 +143,27 @@ struct PyCommunicator {
 }
 
 impl PyCommunicator {
+    /// Whether this process created the communicator (false in a forked child).
+    fn owned(&self) -> bool {
+        std::process::id() == self.owner_pid
+    }
+
+    /// `RuntimeError` unless called in the process that created the communicator; checked
+    /// before anything touches the segment, the counters or the progress thread's locks.
+    fn check_owner(&self) -> PyResult<()> {
+        if self.owned() {
+            return Ok(());
+        }
+        Err(PyRuntimeError::new_err(format!(
+            "flagos_shm: this communicator (rank {} of {}) was created by pid {}, used in pid {}: \
+             a forked child must create its own process group",
+            self.rank,
+            self.world_size,
+            self.owner_pid,
+            std::process::id()
+        )))
+    }
+
     /// Runs `f` on the communicator on the calling thread with the GIL released, after
     /// every previously submitted collective has finished.
     fn run<R: Send>(
@@ -133,9 +172,9 @@ impl PyCommunicator {
         timeout_s: Option<f64>,
         f: impl FnOnce(&mut Communicator) -> Result<R, Error> + Send,
     ) -> PyResult<R> {
+        self.check_owner()?;
         let t = timeout_s.map(|s| duration("timeout_s", s)).transpose()?;
-        py.detach(|| self.inner.run(|comm| with_timeout(comm, t, f)))
-            .map_err(|e| to_py(e, Some(&self.pending)))
+        py.detach(|| self.inner.run(|comm| with_timeout(comm, t, f))).map_err(|e| to_py(e, Some(&self.pending)))
     }
 
     /// Runs collective `f` inline (`done` is None: returns 0 when it has finished, raising
@@ -149,6 +188,7 @@ impl PyCommunicator {
         done: Option<Py<PyAny>>,
         f: impl FnOnce(&mut Communicator) -> Result<(), Error> + Send + 'static,
     ) -> PyResult<u64> {
+        self.check_owner()?;
         let Some(callback) = done else {
             return self.run(py, timeout_s, f).map(|()| 0);
         };
@@ -175,7 +215,11 @@ impl PyCommunicator {
 }
 
 /// Runs `f` with the communicator's timeout set to `t` (when given) for this call only.
-fn with_timeout<R>(comm: &mut Communicator, t: Option<Duration>, f: impl FnOnce(&mut Communicator) -> Result<R, Error>) -> Result<R, Error> {
+fn with_timeout<R>(
+    comm: &mut Communicator,
+    t: Option<Duration>,
+    f: impl FnOnce(&mut Communicator) -> Result<R, Error>,
+) -> Result<R, Error> {
     let saved = comm.timeout();
     if let Some(t) = t {
         comm.set_timeout(t);
@@ -187,6 +231,14 @@ fn with_timeout<R>(comm: &mut Communicator, t: Option<Duration>, f: impl FnOnce(
 
 impl Drop for PyCommunicator {
     fn drop(&mut self) {
+        if !self.owned() {
+            // A forked child's copy: closing (also `Progress`'s own Drop) would join a
+            // thread that does not exist here and take locks a parent thread may have held
+            // at the fork. Leak a reference so it is never dropped (the mapping goes away
+            // when the child exits); nothing is written or unlinked.
+            std::mem::forget(Arc::clone(&self.inner));
+            return;
+        }
         // Joining the progress thread needs the GIL released: its completion callbacks take it.
         let inner = &self.inner;
         Python::attach(|py| py.detach(|| inner.close()));
@@ -215,7 +267,9 @@ impl PyCommunicator {
             })
         };
         let mut comm = py
-            .detach(|| Communicator::attach_with(Path::new(&p), rank, world_size, timeout, Some(&hook), peer_pids.as_deref().unwrap_or(&[])))
+            .detach(|| {
+                Communicator::attach_with(Path::new(&p), rank, world_size, timeout, Some(&hook), peer_pids.as_deref().unwrap_or(&[]))
+            })
             .map_err(|e| to_py(e, Some(&pending)))?;
         comm.set_interrupt(Some(Box::new(hook)));
         Ok(PyCommunicator {
@@ -223,7 +277,8 @@ impl PyCommunicator {
             slot_bytes: comm.slot_bytes(),
             segment_bytes: comm.segment_len(),
             single_copy_min_bytes: comm.single_copy_min_bytes(),
-            inner: Progress::new(comm),
+            inner: Arc::new(Progress::new(comm)),
+            owner_pid: std::process::id(),
             pending,
             rank,
             world_size,
@@ -233,8 +288,9 @@ impl PyCommunicator {
 
     /// Number of collectives issued on this communicator so far.
     #[getter]
-    fn seq(&self, py: Python<'_>) -> u64 {
-        py.detach(|| self.inner.run(|c| Ok(c.seq())).unwrap_or(0))
+    fn seq(&self, py: Python<'_>) -> PyResult<u64> {
+        self.check_owner()?;
+        Ok(py.detach(|| self.inner.run(|c| Ok(c.seq())).unwrap_or(0)))
     }
 
     /// Sets the default timeout of later calls, in seconds.
@@ -262,96 +318,174 @@ impl PyCommunicator {
         self.run(py, timeout_s, |c| c.fail(kind))
     }
 
-    /// In-place allreduce of `numel` elements at address `ptr`.
-    #[pyo3(signature = (ptr, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
-    fn allreduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
-        let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
-        need_ptr("ptr", ptr, numel, dt.size())?;
-        // SAFETY: the Python layer passes the address of a live contiguous host tensor of
-        // `numel` elements of `dtype` (binding contract, module docs).
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.allreduce(ptr as *mut u8, numel, dt, op, factor) })
-    }
-
-    /// In-place broadcast of `numel` elements at `ptr` from group rank `root`.
-    #[pyo3(signature = (ptr, numel, dtype, root, timeout_s=None, done=None))]
-    fn broadcast(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
-        let dt = self::dtype(dtype)?;
-        need_ptr("ptr", ptr, numel, dt.size())?;
-        // SAFETY: binding contract (module docs).
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.broadcast(ptr as *mut u8, numel, dt, root) })
-    }
-
-    /// In-place reduce of `numel` elements at `ptr` to group rank `root` (only the root's
-    /// buffer is written).
-    #[pyo3(signature = (ptr, numel, dtype, op, root, factor=1.0, timeout_s=None, done=None))]
+    /// In-place allreduce of `numel` elements in the `nbytes` bytes at address `ptr`.
+    #[pyo3(signature = (ptr, nbytes, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce(&self, py: Python<'_>, ptr: usize, numel: usize, dtype: &str, op: u32, root: usize, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn allreduce(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        op: u32,
+        factor: f64,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
-        need_ptr("ptr", ptr, numel, dt.size())?;
-        // SAFETY: binding contract (module docs).
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.reduce(ptr as *mut u8, numel, dt, op, factor, root) })
+        let b = host_buf("ptr", ptr, nbytes)?;
+        self.dispatch(py, timeout_s, done, move |c| c.allreduce(b, numel, dt, op, factor))
+    }
+
+    /// In-place broadcast of `numel` elements at `ptr` (`nbytes`) from group rank `root`.
+    #[pyo3(signature = (ptr, nbytes, numel, dtype, root, timeout_s=None, done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        root: usize,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
+        let dt = self::dtype(dtype)?;
+        let b = host_buf("ptr", ptr, nbytes)?;
+        self.dispatch(py, timeout_s, done, move |c| c.broadcast(b, numel, dt, root))
+    }
+
+    /// In-place reduce of `numel` elements at `ptr` (`nbytes`) to group rank `root` (only
+    /// the root's buffer is written).
+    #[pyo3(signature = (ptr, nbytes, numel, dtype, op, root, factor=1.0, timeout_s=None, done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce(
+        &self,
+        py: Python<'_>,
+        ptr: usize,
+        nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        op: u32,
+        root: usize,
+        factor: f64,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
+        let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
+        let b = host_buf("ptr", ptr, nbytes)?;
+        self.dispatch(py, timeout_s, done, move |c| c.reduce(b, numel, dt, op, factor, root))
     }
 
     /// Allgather: `in_ptr` holds `numel` elements, `out_ptr` receives `world_size * numel`
     /// (rank r's at `[r * numel, (r + 1) * numel)`).
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, timeout_s=None, done=None))]
-    fn allgather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, timeout_s=None, done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn allgather(
+        &self,
+        py: Python<'_>,
+        in_ptr: usize,
+        in_nbytes: usize,
+        out_ptr: usize,
+        out_nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
-        need_ptr("in_ptr", in_ptr, numel, dt.size())?;
-        need_ptr("out_ptr", out_ptr, numel, dt.size())?;
-        // SAFETY: binding contract (module docs).
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.allgather(in_ptr as *const u8, out_ptr as *mut u8, numel, dt) })
+        let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
+        self.dispatch(py, timeout_s, done, move |c| c.allgather(i, o, numel, dt))
     }
 
     /// Reduce-scatter: `in_ptr` holds `world_size * numel` elements, `out_ptr` receives
     /// the `numel`-element reduction of piece `rank`.
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
+    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, op, factor=1.0, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn reduce_scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, op: u32, factor: f64, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        in_ptr: usize,
+        in_nbytes: usize,
+        out_ptr: usize,
+        out_nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        op: u32,
+        factor: f64,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let (dt, op) = (self::dtype(dtype)?, reduce_op(op)?);
-        need_ptr("in_ptr", in_ptr, numel, dt.size())?;
-        need_ptr("out_ptr", out_ptr, numel, dt.size())?;
-        // SAFETY: binding contract (module docs).
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.reduce_scatter(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, op, factor) })
+        let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
+        self.dispatch(py, timeout_s, done, move |c| c.reduce_scatter(i, o, numel, dt, op, factor))
     }
 
     /// Gather to `root`: `in_ptr` holds `numel` elements; the root's `out_ptr` receives
-    /// `world_size * numel` (non-roots pass 0).
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, root, timeout_s=None, done=None))]
+    /// `world_size * numel` (non-roots pass 0, 0).
+    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, root, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn gather(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn gather(
+        &self,
+        py: Python<'_>,
+        in_ptr: usize,
+        in_nbytes: usize,
+        out_ptr: usize,
+        out_nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        root: usize,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
-        need_ptr("in_ptr", in_ptr, numel, dt.size())?;
-        if root == self.rank {
-            need_ptr("out_ptr", out_ptr, numel, dt.size())?;
-        }
-        // SAFETY: binding contract (module docs); non-roots never touch out_ptr.
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.gather(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, root) })
+        let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
+        self.dispatch(py, timeout_s, done, move |c| c.gather(i, o, numel, dt, root))
     }
 
     /// Scatter from `root`: the root's `in_ptr` holds `world_size * numel` elements
-    /// (non-roots pass 0); `out_ptr` receives this rank's `numel`-element piece.
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, root, timeout_s=None, done=None))]
+    /// (non-roots pass 0, 0); `out_ptr` receives this rank's `numel`-element piece.
+    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, root, timeout_s=None, done=None))]
     #[allow(clippy::too_many_arguments)]
-    fn scatter(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, root: usize, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    fn scatter(
+        &self,
+        py: Python<'_>,
+        in_ptr: usize,
+        in_nbytes: usize,
+        out_ptr: usize,
+        out_nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        root: usize,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
-        if root == self.rank {
-            need_ptr("in_ptr", in_ptr, numel, dt.size())?;
-        }
-        need_ptr("out_ptr", out_ptr, numel, dt.size())?;
-        // SAFETY: binding contract (module docs); non-roots never touch in_ptr.
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.scatter(in_ptr as *const u8, out_ptr as *mut u8, numel, dt, root) })
+        let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
+        self.dispatch(py, timeout_s, done, move |c| c.scatter(i, o, numel, dt, root))
     }
 
     /// All-to-all: `in_ptr` and `out_ptr` hold `world_size * numel` elements each (must
     /// not overlap); input piece q goes to rank q, rank q's piece lands in output piece q.
-    #[pyo3(signature = (in_ptr, out_ptr, numel, dtype, timeout_s=None, done=None))]
-    fn alltoall(&self, py: Python<'_>, in_ptr: usize, out_ptr: usize, numel: usize, dtype: &str, timeout_s: Option<f64>, done: Option<Py<PyAny>>) -> PyResult<u64> {
+    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, timeout_s=None, done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn alltoall(
+        &self,
+        py: Python<'_>,
+        in_ptr: usize,
+        in_nbytes: usize,
+        out_ptr: usize,
+        out_nbytes: usize,
+        numel: usize,
+        dtype: &str,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
         let dt = self::dtype(dtype)?;
-        need_ptr("in_ptr", in_ptr, numel, dt.size())?;
-        need_ptr("out_ptr", out_ptr, numel, dt.size())?;
-        // SAFETY: binding contract (module docs).
-        self.dispatch(py, timeout_s, done, move |c| unsafe { c.alltoall(in_ptr as *const u8, out_ptr as *mut u8, numel, dt) })
+        let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
+        self.dispatch(py, timeout_s, done, move |c| c.alltoall(i, o, numel, dt))
     }
 
     /// Blocks (GIL released) until the call that returned `ticket` has completed and its
@@ -360,6 +494,7 @@ impl PyCommunicator {
     /// arrives while the call runs on the progress thread; the call itself goes on (the
     /// caller aborts the group to stop it).
     fn wait_ticket(&self, py: Python<'_>, ticket: u64) -> PyResult<()> {
+        self.check_owner()?;
         let raised: Pending = Arc::new(Mutex::new(None));
         let stop = || {
             Python::attach(|py| match py.check_signals() {
@@ -378,20 +513,30 @@ impl PyCommunicator {
     }
 
     /// Aborts the group: every rank's pending and later calls raise RuntimeError. Safe to
-    /// call from another thread while a collective is running.
+    /// call from another thread while a collective is running. Does nothing in a process
+    /// other than the creator (a forked child must not abort its parent's group).
     fn abort(&self) {
-        self.aborter.abort();
+        if self.owned() {
+            self.aborter.abort();
+        }
     }
 
-    /// Unmaps the segment; later calls raise RuntimeError. Idempotent. Waits for a running
-    /// collective on this communicator to finish (abort() first to cut it short).
+    /// Unmaps the segment; later calls raise RuntimeError. Idempotent. With collectives
+    /// still queued or running it aborts the group first: the running one raises at once
+    /// and every queued one completes with RuntimeError ("the process group was shut down
+    /// with this collective still queued") without running. In a
+    /// process other than the creator (a forked child) it does nothing: the parent's
+    /// group is not touched.
     fn close(&self, py: Python<'_>) {
-        py.detach(|| self.inner.close());
+        if self.owned() {
+            py.detach(|| self.inner.close());
+        }
     }
 
+    /// Whether `close` was called (always true in a forked child, where it is unusable).
     #[getter]
     fn closed(&self, py: Python<'_>) -> bool {
-        py.detach(|| self.inner.is_closed())
+        !self.owned() || py.detach(|| self.inner.is_closed())
     }
 
     fn __repr__(&self) -> String {

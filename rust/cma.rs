@@ -47,11 +47,12 @@ pub fn min_bytes_from_env(default: usize) -> usize {
 pub unsafe fn read(pid: u32, remote: u64, local: *mut u8, len: usize) -> Result<()> {
     let mut done = 0usize;
     while done < len {
-        let l = libc::iovec { iov_base: local.add(done).cast(), iov_len: len - done };
+        // SAFETY: done < len, so the offset stays inside the caller's `len` bytes.
+        let l = libc::iovec { iov_base: unsafe { local.add(done) }.cast(), iov_len: len - done };
         let r = libc::iovec { iov_base: (remote as usize).wrapping_add(done) as *mut libc::c_void, iov_len: len - done };
         // SAFETY: `l` describes memory the caller lets us write; the kernel validates `r`
         // against process `pid`'s mappings and fails rather than reading elsewhere.
-        let n = libc::process_vm_readv(pid as libc::pid_t, &l, 1, &r, 1, 0);
+        let n = unsafe { libc::process_vm_readv(pid as libc::pid_t, &l, 1, &r, 1, 0) };
         if n < 0 {
             let e = std::io::Error::last_os_error();
             match e.raw_os_error() {

@@ -1,22 +1,30 @@
 //! flagos_shm: lock-free shared-memory collectives for the ranks of one node.
 //!
 //! Layers, one module each: [`segment`] (the shared-memory segment and its layout) →
-//! [`sync`] (per-rank counters, waits with deadlines) and [`cma`] (single-copy reads from
-//! a peer's process) → [`reduce`] (dtypes, reduce ops, kernels) and [`algorithms`] (the
-//! collectives) → [`progress`] (a per-group thread for asynchronous calls) → `binding`
-//! (PyO3, feature `python`).
+//! [`sync`] (per-rank counters, waits with deadlines, every control-block access) and
+//! [`cma`] (single-copy reads from a peer's process) → [`reduce`] (dtypes, reduce ops,
+//! kernels), [`desc`] (collective descriptors) and [`buffer`] (caller buffers with their
+//! lengths) → [`group`] (a rank's communicator: attach, probe, step plumbing) →
+//! [`algorithms`] (the collectives' checked face and the slot algorithms) and
+//! [`single_copy`] (the `process_vm_readv` algorithms) → [`progress`] (a per-group thread
+//! for asynchronous calls) → `binding` (PyO3, feature `python`).
 
 pub mod algorithms;
+pub mod buffer;
 pub mod cma;
+pub mod desc;
 pub mod error;
+pub mod group;
 pub mod progress;
 pub mod reduce;
 pub mod segment;
+pub mod single_copy;
 pub mod sync;
 
 #[cfg(feature = "python")]
 mod binding;
 
 pub use algorithms::{Communicator, Kind};
+pub use buffer::Buf;
 pub use error::{Error, Result};
 pub use reduce::{DType, ReduceOp, Reduction};

@@ -14,14 +14,15 @@
 //! The thread is started on the first submission (groups that never go asynchronous cost
 //! no thread) and sleeps on a condition variable while the queue is empty: an idle group
 //! uses no CPU. Every collective, inline or queued, honours the communicator's timeout and
-//! abort flag, so a queued job cannot wait forever; [`Progress::close`] lets the queue
-//! drain, joins the thread and drops the communicator (unmapping the segment).
+//! abort flag, so a queued job cannot wait forever; [`Progress::close`] aborts the group
+//! if work is still queued or running (queued jobs then fail without running), joins the
+//! thread and drops the communicator (unmapping the segment).
 //!
 //! Locking: `state` guards the queue and the "a collective is running" flag; `comm` is
 //! held only while a collective runs. Completion callbacks run with neither lock held, so
 //! a callback may submit further work or take other locks (e.g. Python's GIL).
 
-use crate::algorithms::Communicator;
+use crate::algorithms::{AbortHandle, Communicator};
 use crate::error::{Error, Result};
 use std::cell::Cell;
 use std::collections::VecDeque;
@@ -64,10 +65,18 @@ struct State {
     busy: bool,
     /// `close` was called: no new submissions; the thread exits once the queue is empty.
     closing: bool,
+    /// `close` found work queued or running: jobs that have not started yet complete
+    /// with [`SHUT_DOWN`] instead of running.
+    cancelled: bool,
 }
+
+/// The error of a job that `close` found still queued.
+pub const SHUT_DOWN: &str = "the process group was shut down with this collective still queued";
 
 struct Shared {
     comm: Mutex<Option<Communicator>>,
+    /// Aborts the group without the `comm` lock (which a running collective holds).
+    aborter: AbortHandle,
     state: Mutex<State>,
     /// Signalled when a job is queued, when `busy` clears, and on close.
     changed: Condvar,
@@ -102,7 +111,8 @@ impl Shared {
     /// issued before it on the group is complete too (results written back), as on a
     /// single device stream, and `finished` is exact for [`Progress::help_until`].
     fn execute(&self, job: Job) {
-        let result = self.with_comm(job.task);
+        let cancelled = lock(&self.state).cancelled;
+        let result = if cancelled { Err(Error::Aborted(SHUT_DOWN.into())) } else { self.with_comm(job.task) };
         self.release();
         {
             let mut st = lock(&self.state);
@@ -166,8 +176,16 @@ impl Progress {
     pub fn new(comm: Communicator) -> Progress {
         Progress {
             shared: Arc::new(Shared {
+                aborter: comm.abort_handle(),
                 comm: Mutex::new(Some(comm)),
-                state: Mutex::new(State { queue: VecDeque::new(), next_ticket: 1, finished: 0, busy: false, closing: false }),
+                state: Mutex::new(State {
+                    queue: VecDeque::new(),
+                    next_ticket: 1,
+                    finished: 0,
+                    busy: false,
+                    closing: false,
+                    cancelled: false,
+                }),
                 changed: Condvar::new(),
             }),
             thread: Mutex::new(None),
@@ -293,10 +311,24 @@ impl Progress {
         lock(&self.shared.comm).is_none()
     }
 
-    /// Stops accepting work, lets queued jobs run (they fail fast if the group was
-    /// aborted), joins the thread and drops the communicator. Idempotent.
+    /// Stops accepting work, joins the thread and drops the communicator. Idempotent.
+    ///
+    /// Work still queued or running would otherwise hold the close for up to a timeout
+    /// each (its peers may never issue it): if there is any, the group is aborted, which
+    /// cuts the running collective short (it fails with `Aborted`, and so do the peers'
+    /// calls in it), and every job not started yet completes with `Aborted`
+    /// ([`SHUT_DOWN`]) without running; callbacks still run in ticket order. With nothing
+    /// pending the group is left alone, so peers are not disturbed by a clean close.
     pub fn close(&self) {
-        lock(&self.shared.state).closing = true;
+        {
+            let mut st = lock(&self.shared.state);
+            let pending = st.busy || !st.queue.is_empty();
+            if !st.closing && pending {
+                st.cancelled = true;
+                self.shared.aborter.abort();
+            }
+            st.closing = true;
+        }
         self.shared.changed.notify_all();
         let handle = lock(&self.thread).take();
         if let Some(h) = handle {

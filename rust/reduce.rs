@@ -36,18 +36,8 @@ pub enum DType {
 }
 
 impl DType {
-    pub const ALL: [DType; 10] = [
-        DType::F32,
-        DType::F64,
-        DType::F16,
-        DType::BF16,
-        DType::I8,
-        DType::U8,
-        DType::I16,
-        DType::I32,
-        DType::I64,
-        DType::Bool,
-    ];
+    pub const ALL: [DType; 10] =
+        [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I8, DType::U8, DType::I16, DType::I32, DType::I64, DType::Bool];
 
     /// Size of one element in bytes.
     pub fn size(self) -> usize {
@@ -308,13 +298,13 @@ unsafe fn reduce_with<T: Elem>(
         let (acc, tmp) = (&mut acc[..b], &mut tmp[..b]);
         // SAFETY: the caller guarantees `len` readable elements per source and `len`
         // writable elements at `dst`; `start + b <= len`.
-        T::load_block(std::slice::from_raw_parts(srcs[0].add(start), b), acc);
+        T::load_block(unsafe { std::slice::from_raw_parts(srcs[0].add(start), b) }, acc);
         for a in acc.iter_mut() {
             *a = pre(*a);
         }
         for src in &srcs[1..] {
             // SAFETY: as above.
-            T::load_block(std::slice::from_raw_parts(src.add(start), b), tmp);
+            T::load_block(unsafe { std::slice::from_raw_parts(src.add(start), b) }, tmp);
             for (a, t) in acc.iter_mut().zip(tmp.iter()) {
                 *a = comb(*a, pre(*t));
             }
@@ -324,7 +314,7 @@ unsafe fn reduce_with<T: Elem>(
         }
         // SAFETY: as above; sources were fully read into `acc` before this write, so an
         // aliasing `dst == srcs[0]` is fine.
-        T::store_block(acc, std::slice::from_raw_parts_mut(dst.add(start), b));
+        T::store_block(acc, unsafe { std::slice::from_raw_parts_mut(dst.add(start), b) });
         start += b;
     }
 }
@@ -341,22 +331,25 @@ unsafe fn reduce_direct<T: Copy>(dst: *mut T, srcs: &[*const T], len: usize, com
     let mut start = 0;
     while start < len {
         let b = BLOCK.min(len - start);
-        let (d, s0) = (dst.add(start), srcs[0].add(start));
+        // SAFETY: start < len, so both offsets stay inside the caller's buffers.
+        let (d, s0) = unsafe { (dst.add(start), srcs[0].add(start)) };
         if srcs.len() == 1 {
             // SAFETY: b elements in bounds; `copy` tolerates d == s0.
-            std::ptr::copy(s0, d, b);
+            unsafe { std::ptr::copy(s0, d, b) };
         } else {
-            let s1 = srcs[1].add(start);
+            // SAFETY: as for `s0`.
+            let s1 = unsafe { srcs[1].add(start) };
             for i in 0..b {
                 // SAFETY: i < b, in bounds of every buffer; element i of every source is
                 // read before element i of dst is written.
-                *d.add(i) = comb(*s0.add(i), *s1.add(i));
+                unsafe { *d.add(i) = comb(*s0.add(i), *s1.add(i)) };
             }
             for src in &srcs[2..] {
-                let s = src.add(start);
+                // SAFETY: as for `s0`.
+                let s = unsafe { src.add(start) };
                 for i in 0..b {
                     // SAFETY: as above.
-                    *d.add(i) = comb(*d.add(i), *s.add(i));
+                    unsafe { *d.add(i) = comb(*d.add(i), *s.add(i)) };
                 }
             }
         }
@@ -404,18 +397,21 @@ macro_rules! float_reduce {
         let n = $red.world as $acc;
         let f = $red.factor as $acc;
         let id = |a: $acc| a;
-        match $red.op {
-            ReduceOp::Sum if $direct => reduce_direct::<$t>(dst, &srcs, $len, |a: $t, b: $t| a + b),
-            ReduceOp::Product if $direct => reduce_direct::<$t>(dst, &srcs, $len, |a: $t, b: $t| a * b),
-            ReduceOp::Min if $direct => reduce_direct::<$t>(dst, &srcs, $len, fmin::<$t>),
-            ReduceOp::Max if $direct => reduce_direct::<$t>(dst, &srcs, $len, fmax::<$t>),
-            ReduceOp::Sum => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a + b, id),
-            ReduceOp::Avg => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a + b, |a| a / n),
-            ReduceOp::PremulSum => reduce_with::<$t>(dst, &srcs, $len, |a| a * f, |a, b| a + b, id),
-            ReduceOp::Product => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a * b, id),
-            ReduceOp::Min => reduce_with::<$t>(dst, &srcs, $len, id, fmin, id),
-            ReduceOp::Max => reduce_with::<$t>(dst, &srcs, $len, id, fmax, id),
-            ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => unreachable!("checked by Reduction::new"),
+        // SAFETY: the pointer contract of `reduce_generic`, forwarded.
+        unsafe {
+            match $red.op {
+                ReduceOp::Sum if $direct => reduce_direct::<$t>(dst, &srcs, $len, |a: $t, b: $t| a + b),
+                ReduceOp::Product if $direct => reduce_direct::<$t>(dst, &srcs, $len, |a: $t, b: $t| a * b),
+                ReduceOp::Min if $direct => reduce_direct::<$t>(dst, &srcs, $len, fmin::<$t>),
+                ReduceOp::Max if $direct => reduce_direct::<$t>(dst, &srcs, $len, fmax::<$t>),
+                ReduceOp::Sum => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a + b, id),
+                ReduceOp::Avg => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a + b, |a| a / n),
+                ReduceOp::PremulSum => reduce_with::<$t>(dst, &srcs, $len, |a| a * f, |a, b| a + b, id),
+                ReduceOp::Product => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a * b, id),
+                ReduceOp::Min => reduce_with::<$t>(dst, &srcs, $len, id, fmin, id),
+                ReduceOp::Max => reduce_with::<$t>(dst, &srcs, $len, id, fmax, id),
+                ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => unreachable!("checked by Reduction::new"),
+            }
         }
     }};
 }
@@ -426,17 +422,20 @@ macro_rules! int_reduce {
         let srcs: Vec<*const $t> = $srcs.iter().map(|p| *p as *const $t).collect();
         let n = $red.world as i64;
         let id = |a: i64| a;
-        match $red.op {
-            ReduceOp::Sum => reduce_with::<$t>(dst, &srcs, $len, id, i64::wrapping_add, id),
-            // `wrapping_div` truncates toward zero; n >= 1.
-            ReduceOp::Avg => reduce_with::<$t>(dst, &srcs, $len, id, i64::wrapping_add, |a| a.wrapping_div(n)),
-            ReduceOp::Product => reduce_with::<$t>(dst, &srcs, $len, id, i64::wrapping_mul, id),
-            ReduceOp::Min => reduce_with::<$t>(dst, &srcs, $len, id, std::cmp::min, id),
-            ReduceOp::Max => reduce_with::<$t>(dst, &srcs, $len, id, std::cmp::max, id),
-            ReduceOp::Band => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a & b, id),
-            ReduceOp::Bor => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a | b, id),
-            ReduceOp::Bxor => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a ^ b, id),
-            ReduceOp::PremulSum => unreachable!("checked by Reduction::new"),
+        // SAFETY: the pointer contract of `reduce_generic`, forwarded.
+        unsafe {
+            match $red.op {
+                ReduceOp::Sum => reduce_with::<$t>(dst, &srcs, $len, id, i64::wrapping_add, id),
+                // `wrapping_div` truncates toward zero; n >= 1.
+                ReduceOp::Avg => reduce_with::<$t>(dst, &srcs, $len, id, i64::wrapping_add, |a| a.wrapping_div(n)),
+                ReduceOp::Product => reduce_with::<$t>(dst, &srcs, $len, id, i64::wrapping_mul, id),
+                ReduceOp::Min => reduce_with::<$t>(dst, &srcs, $len, id, std::cmp::min, id),
+                ReduceOp::Max => reduce_with::<$t>(dst, &srcs, $len, id, std::cmp::max, id),
+                ReduceOp::Band => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a & b, id),
+                ReduceOp::Bor => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a | b, id),
+                ReduceOp::Bxor => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a ^ b, id),
+                ReduceOp::PremulSum => unreachable!("checked by Reduction::new"),
+            }
         }
     }};
 }
@@ -456,10 +455,10 @@ pub unsafe fn reduce_raw(red: &Reduction, dst: *mut u8, srcs: &[*const u8], len:
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU supports the features the function is compiled for; the
         // pointer contract is forwarded.
-        return reduce_avx2(red, dst, srcs, len);
+        return unsafe { reduce_avx2(red, dst, srcs, len) };
     }
     // SAFETY: forwarded.
-    reduce_generic(red, dst, srcs, len)
+    unsafe { reduce_generic(red, dst, srcs, len) }
 }
 
 /// The kernels compiled for AVX2 + FMA (x86-64-v3), chosen at run time by [`reduce_raw`];
@@ -472,7 +471,7 @@ pub unsafe fn reduce_raw(red: &Reduction, dst: *mut u8, srcs: &[*const u8], len:
 unsafe fn reduce_avx2(red: &Reduction, dst: *mut u8, srcs: &[*const u8], len: usize) {
     // SAFETY: forwarded; `reduce_generic` is inline(always), so its loops are compiled
     // with this function's target features.
-    reduce_generic(red, dst, srcs, len)
+    unsafe { reduce_generic(red, dst, srcs, len) }
 }
 
 /// # Safety
@@ -495,13 +494,14 @@ unsafe fn reduce_generic(red: &Reduction, dst: *mut u8, srcs: &[*const u8], len:
             let dst = dst as *mut Bool8;
             let srcs: Vec<*const Bool8> = srcs.iter().map(|p| *p as *const Bool8).collect();
             let id = |a: u8| a;
-            match red.op {
-                ReduceOp::Sum | ReduceOp::Max | ReduceOp::Bor => reduce_with::<Bool8>(dst, &srcs, len, id, |a, b| a | b, id),
-                ReduceOp::Product | ReduceOp::Min | ReduceOp::Band => {
-                    reduce_with::<Bool8>(dst, &srcs, len, id, |a, b| a & b, id)
+            // SAFETY: forwarded from this function's contract.
+            unsafe {
+                match red.op {
+                    ReduceOp::Sum | ReduceOp::Max | ReduceOp::Bor => reduce_with::<Bool8>(dst, &srcs, len, id, |a, b| a | b, id),
+                    ReduceOp::Product | ReduceOp::Min | ReduceOp::Band => reduce_with::<Bool8>(dst, &srcs, len, id, |a, b| a & b, id),
+                    ReduceOp::Bxor => reduce_with::<Bool8>(dst, &srcs, len, id, |a, b| a ^ b, id),
+                    ReduceOp::Avg | ReduceOp::PremulSum => unreachable!("checked by Reduction::new"),
                 }
-                ReduceOp::Bxor => reduce_with::<Bool8>(dst, &srcs, len, id, |a, b| a ^ b, id),
-                ReduceOp::Avg | ReduceOp::PremulSum => unreachable!("checked by Reduction::new"),
             }
         }
     }

@@ -20,7 +20,16 @@
 //! `posix_fallocate` (so a full tmpfs fails here with a clear error instead of a SIGBUS
 //! later), and writes the header. The other ranks learn the path out of band (the
 //! group's c10d store), open and check it. The file is unlinked as soon as every rank has
-//! attached (see `algorithms::Communicator::attach`); the mappings stay valid.
+//! attached (see `group::Communicator::attach`); the mappings stay valid.
+//!
+//! Liveness of a creator: from before the file has its name until it is unlinked, the
+//! creating process holds an exclusive `flock` on it ([`CreatorLock`]); the kernel drops
+//! the lock when the process exits, however it exits. The stale-segment sweep
+//! ([`remove_stale`]) removes a file only if it can take that lock itself (without
+//! waiting), so it never removes a segment whose creator may be alive. A lock is seen the
+//! same way by every process that shares the file system, whatever its PID namespace,
+//! unlike a pid recorded in the header (which in another container may name nobody, or
+//! somebody else).
 
 use crate::error::{Error, Result};
 use memmap2::{MmapOptions, MmapRaw};
@@ -35,7 +44,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 /// `b"FLGOSSHM"` read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"FLGOSSHM");
 /// Bumped whenever the layout or the protocol changes.
-pub const VERSION: u32 = 2;
+pub const VERSION: u32 = 3;
 /// Cache-line stride used to separate words written by different ranks.
 pub const LINE: usize = 128;
 /// Bytes of one rank's control block.
@@ -83,7 +92,7 @@ pub struct GroupLine {
 }
 
 /// Number of u64 words in one collective descriptor.
-pub const DESC_WORDS: usize = 6;
+pub const DESC_WORDS: usize = 7;
 
 /// One rank's control block.
 #[repr(C)]
@@ -133,7 +142,7 @@ pub fn check_geometry(world_size: usize, slot_bytes: usize) -> Result<()> {
     if world_size == 0 || world_size > MAX_WORLD {
         return Err(Error::InvalidArgument(format!("world_size: expected 1..={MAX_WORLD}, got {world_size}")));
     }
-    if slot_bytes < PAGE || slot_bytes > MAX_SLOT_BYTES || slot_bytes % PAGE != 0 {
+    if !(PAGE..=MAX_SLOT_BYTES).contains(&slot_bytes) || slot_bytes % PAGE != 0 {
         return Err(Error::InvalidArgument(format!(
             "slot_bytes: expected a multiple of {PAGE} between {PAGE} and {MAX_SLOT_BYTES}, got {slot_bytes}"
         )));
@@ -277,11 +286,36 @@ pub fn pid_dead(pid: u32) -> bool {
     }
 }
 
+/// Takes an exclusive `flock` on `file` without waiting; `false` if another open file
+/// description holds a lock on it.
+fn try_lock_exclusive(file: &File) -> bool {
+    // SAFETY: plain syscall on an fd we own.
+    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
+}
+
+/// The lock a creating process holds on each of its segments until it unlinks them (see
+/// the module docs): the open files, by path. Dropping a `File` releases its lock.
+static CREATOR_LOCKS: std::sync::Mutex<Vec<(PathBuf, File)>> = std::sync::Mutex::new(Vec::new());
+
+/// Releases this process's creator lock on `path`, if it holds one (the segment is being
+/// unlinked, or its creator is giving up on it). Public (hidden) for tests, which use it
+/// to stand for the creator's exit.
+#[doc(hidden)]
+pub fn release_creator_lock(path: &Path) {
+    let mut locks = CREATOR_LOCKS.lock().unwrap_or_else(|p| p.into_inner());
+    locks.retain(|(p, _)| p != path);
+}
+
+fn hold_creator_lock(path: &Path, file: File) {
+    CREATOR_LOCKS.lock().unwrap_or_else(|p| p.into_inner()).push((path.to_path_buf(), file));
+}
+
 /// Removes segment files in `dir` left by crashed jobs: files named `flagos_shm-*`, owned
-/// by this user, with our magic, whose creator process is gone. A segment is unlinked as
-/// soon as all its ranks attached, so only a job that died during set-up leaves one; this
-/// sweep, run whenever a group is created, bounds the leak to that window. Errors are
-/// ignored (best effort). Returns the paths removed.
+/// by this user, with our magic, whose creator no longer holds its lock on them (module
+/// docs): the sweep takes the lock without waiting and removes only files it could lock.
+/// A segment is unlinked as soon as all its ranks attached, so only a job that died
+/// during set-up leaves one; this sweep, run whenever a group is created, bounds the leak
+/// to that window. Errors are ignored (best effort). Returns the paths removed.
 pub fn remove_stale(dir: &Path) -> Vec<PathBuf> {
     let mut removed = Vec::new();
     let Ok(entries) = std::fs::read_dir(dir) else { return removed };
@@ -306,7 +340,9 @@ pub fn remove_stale(dir: &Path) -> Vec<PathBuf> {
             continue;
         }
         let Some(h) = Header::parse(&raw) else { continue };
-        if h.magic == MAGIC && h.creator_uid == uid && pid_dead(h.creator_pid) && std::fs::remove_file(&path).is_ok() {
+        // The lock, not the recorded pid: in another PID namespace that pid may name nobody
+        // (or another process) while the creator is alive.
+        if h.magic == MAGIC && h.creator_uid == uid && try_lock_exclusive(&file) && std::fs::remove_file(&path).is_ok() {
             removed.push(path);
         }
     }
@@ -326,6 +362,7 @@ pub fn remove_if_segment(path: &Path) {
     if named && ours {
         let _ = std::fs::remove_file(path);
     }
+    release_creator_lock(path);
 }
 
 fn random_hex() -> Result<String> {
@@ -359,8 +396,11 @@ pub fn create(dir: &Path, world_size: usize, slot_bytes: usize) -> Result<PathBu
     // First choice: build the segment in an unnamed file (O_TMPFILE) and give it its name
     // only once it is complete, so a creator killed at any point leaves nothing behind.
     if let Some(file) = open_unnamed(dir) {
+        // Locked before it has a name, so no sweeper ever sees it unlocked while we live.
+        try_lock_exclusive(&file);
         fill(&file, dir, &path, world_size, slot_bytes, total)?;
         if link_unnamed(&file, &path).is_ok() {
+            hold_creator_lock(&path, file);
             return Ok(path);
         }
         // Linking is refused here (no /proc, say): fall back to a named file.
@@ -375,9 +415,13 @@ pub fn create(dir: &Path, world_size: usize, slot_bytes: usize) -> Result<PathBu
         .map_err(|e| Error::io(format!("cannot create shared-memory segment {}", path.display()), e))?;
     // A creator killed between here and the header write leaves a file that
     // `remove_stale` cannot identify; only file systems without O_TMPFILE take this path.
+    // The lock is taken before the header is written, so a sweeper that recognises the
+    // file also sees it locked while we live.
+    try_lock_exclusive(&file);
     fill(&file, dir, &path, world_size, slot_bytes, total).inspect_err(|_| {
         let _ = std::fs::remove_file(&path);
     })?;
+    hold_creator_lock(&path, file);
     Ok(path)
 }
 
@@ -448,6 +492,7 @@ pub struct Segment {
 // copies whose ordering the protocol in `sync.rs` establishes; the struct itself holds
 // no thread-affine state.
 unsafe impl Send for Segment {}
+// SAFETY: as for `Send`: shared access goes through atomics and protocol-ordered copies.
 unsafe impl Sync for Segment {}
 
 impl Segment {
@@ -526,7 +571,10 @@ impl Segment {
     /// Removes the file name (the mapping stays valid). A missing file is not an error:
     /// another rank may have removed it first.
     pub fn unlink(&self) -> Result<()> {
-        match std::fs::remove_file(&self.path) {
+        let r = std::fs::remove_file(&self.path);
+        // Once the name is gone no sweeper can find the file: the lock has done its job.
+        release_creator_lock(&self.path);
+        match r {
             Ok(()) => Ok(()),
             Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(Error::io(format!("cannot unlink {}", self.path.display()), e)),

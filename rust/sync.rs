@@ -19,9 +19,41 @@
 //!
 //! A rank that gets past a step while another rank last ran on its CPU yields once
 //! ([`wait_all`]), so that rank (likely waiting for the same step) leaves it at once.
+//!
+//! # Memory ordering
+//!
+//! Every load and store of a control block or of the group line is in this file (the
+//! accessors at the end serve `group.rs` and `single_copy.rs`). The choices:
+//!
+//! - `arrived`: Release store in [`arrive`], Acquire loads in [`wait_all`]. Everything a
+//!   rank wrote before arriving at step `s` (its slot, descriptor words, published
+//!   address) is visible to a rank that has seen `arrived >= s`; those writes and reads
+//!   can therefore be plain copies and Relaxed atomics.
+//! - `cpu`: Relaxed both ways; a scheduling hint, never used for correctness.
+//! - `pid`, `attached`: AcqRel claim / Acquire reads, since they are read during set-up,
+//!   before any step orders them.
+//! - `aborted`: SeqCst compare-exchange (the first aborter wins), Acquire reads.
+//!
+//! ## Sleeping and waking
+//!
+//! A sleeper must never sleep through the change it waits for (a lost wake would cost a
+//! whole [`SLEEP_SLICE`]). Sleeper: (1) `sleepers += 1`; (2) SeqCst fence; (3) `w =
+//! wake`; (4) re-check the condition (arrivals, aborted); (5) `futex_wait(wake, w)`,
+//! which returns at once if `wake != w`. Waker: (a) store the change (`arrived` or
+//! `aborted`); (b) SeqCst fence; (c) if `sleepers > 0`: `wake += 1` and `futex_wake`.
+//! The two fences order (1) before (4) and (a) before (c), so in the single total order
+//! of SeqCst fences either the sleeper's fence comes first, and then the waker's (c)
+//! sees the registration, or the waker's comes first, and then the sleeper's (4) sees
+//! the change. In the first case, if the bump of `wake` comes after (3), (5) does not
+//! sleep; if it comes before (3), (3) read it, and since the bump follows (a) in the
+//! waker's order (SeqCst RMW, release), (4) sees the change. Without the sleeper's fence
+//! the Acquire loads of (4) could be satisfied before the increment (1) is visible
+//! (allowed on weakly ordered CPUs such as aarch64), and both sides would miss each
+//! other. [`abort`] also bumps `wake` unconditionally, and the sleeper re-checks the
+//! aborted flag in (4), so an abort is never slept through either.
 
 use crate::error::{Error, Result};
-use crate::segment::{self, GroupLine, Segment};
+use crate::segment::{self, GroupLine, Segment, DESC_WORDS};
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -54,10 +86,11 @@ pub fn arrive(seg: &Segment, rank: usize, step: u64) {
     wake_sleepers(seg.group());
 }
 
+/// The waker's half of the protocol in "Sleeping and waking" (module docs): called after
+/// the store that changes a sleeper's condition (an arrival, the aborted flag).
 fn wake_sleepers(g: &GroupLine) {
-    // The SeqCst fence orders our counter store before the `sleepers` load; a sleeper
-    // increments `sleepers` (SeqCst) before re-checking the counters, so either we see it
-    // and wake it, or it sees our store (the Dekker pattern).
+    // This SeqCst fence, between our store and our read of `sleepers`, pairs with the
+    // sleeper's fence between its registration and its re-check (the Dekker pattern).
     fence(Ordering::SeqCst);
     if g.sleepers.load(Ordering::SeqCst) > 0 {
         g.wake.fetch_add(1, Ordering::SeqCst);
@@ -131,8 +164,7 @@ fn hand_over_if_shared(seg: &Segment) {
 /// there). `None` if `value` is inside, else the message saying it is not.
 pub fn counter_out_of_range(rank: usize, value: u64, step: u64) -> Option<String> {
     let (lo, hi) = (step.saturating_sub(1), step.saturating_add(1));
-    (value < lo || value > hi)
-        .then(|| format!("rank {rank}'s control block is corrupt: arrival counter {value}, expected {lo}..={hi}"))
+    (value < lo || value > hi).then(|| format!("rank {rank}'s control block is corrupt: arrival counter {value}, expected {lo}..={hi}"))
 }
 
 /// Checks every rank's arrival counter ([`counter_out_of_range`]) and process id
@@ -161,17 +193,19 @@ fn wait_arrivals(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     // Phase 1: spin, unless a missing peer last ran on our CPU: then it cannot make
     // progress while we spin, so give the CPU away at once.
     let cpu = current_cpu();
-    let shares_cpu = (0..seg.world_size())
-        .any(|r| seg.ctrl(r).arrived.load(Ordering::Relaxed) < step && seg.ctrl(r).cpu.load(Ordering::Relaxed) == cpu);
-    while !shares_cpu {
-        for _ in 0..64 {
-            std::hint::spin_loop();
-            if all_in() {
-                return Ok(());
+    let shares_cpu =
+        (0..seg.world_size()).any(|r| seg.ctrl(r).arrived.load(Ordering::Relaxed) < step && seg.ctrl(r).cpu.load(Ordering::Relaxed) == cpu);
+    if !shares_cpu {
+        loop {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+                if all_in() {
+                    return Ok(());
+                }
             }
-        }
-        if start.elapsed() >= SPIN {
-            break;
+            if start.elapsed() >= SPIN {
+                break;
+            }
         }
     }
     // Phase 2: yield.
@@ -185,10 +219,15 @@ fn wait_arrivals(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     let g = seg.group();
     loop {
         check_stop(seg, step, ctx)?;
+        // Register as a sleeper, then (after a full fence) snapshot the futex word and
+        // re-check the condition: see "Sleeping and waking" in the module docs.
         g.sleepers.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
         let w = g.wake.load(Ordering::SeqCst);
         let done = all_in();
-        if !done {
+        // An abort that bumped `wake` before our snapshot would not end the futex wait:
+        // re-check the flag after the snapshot too (`check_stop` then reports it).
+        if !done && aborted_by(seg).is_none() {
             let left = ctx.deadline.saturating_duration_since(Instant::now());
             futex_wait(&g.wake, w, left.min(SLEEP_SLICE));
         }
@@ -245,4 +284,105 @@ fn futex_wake(word: &AtomicU32) {
     unsafe {
         libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
     }
+}
+
+// ----- control-block accessors ----------------------------------------------------
+// Every load and store of a control block or of the group line outside this file goes
+// through one of these, so that the ordering of each is decided (and documented) here.
+// The rule: data a rank publishes for step `s` (descriptor words, a buffer address, the
+// probe words) is written with Relaxed stores *before* its `arrive(s)`, whose Release
+// store of `arrived` orders them; a peer reads them with Relaxed loads only *after*
+// `wait_all(s)`, whose Acquire loads of `arrived` order them. No other ordering is
+// needed for them. Set-up words (`pid`, `attached`) are read while no step orders them,
+// so they use Acquire/Release (AcqRel for the claiming swap) themselves.
+
+/// Claims `rank`'s control block for process `pid`; returns the pid that held it (0 if
+/// it was free, in which case it is now ours). AcqRel: the swap both publishes our pid
+/// to peers that poll it and sees any earlier claim.
+pub fn claim_rank(seg: &Segment, rank: usize, pid: u32) -> u32 {
+    seg.ctrl(rank).pid.swap(pid, Ordering::AcqRel)
+}
+
+/// Counts this rank as attached (after [`claim_rank`]); Release via AcqRel so that a
+/// rank that reads the full count also sees every claimed pid.
+pub fn count_attached(seg: &Segment) {
+    seg.group().attached.fetch_add(1, Ordering::AcqRel);
+}
+
+/// Number of ranks that have attached (Acquire, pairs with [`count_attached`]).
+pub fn attached(seg: &Segment) -> usize {
+    seg.group().attached.load(Ordering::Acquire) as usize
+}
+
+/// The process id rank `r` published (0 before it attached). Acquire: pairs with the
+/// claiming swap. The value comes from shared memory: callers only print it or test
+/// liveness with it ([`segment::pid_dead`]).
+pub fn pid_of(seg: &Segment, r: usize) -> u32 {
+    seg.ctrl(r).pid.load(Ordering::Acquire)
+}
+
+/// Ranks that have not claimed their control block yet.
+pub fn unattached(seg: &Segment) -> Vec<usize> {
+    (0..seg.world_size()).filter(|&r| pid_of(seg, r) == 0).collect()
+}
+
+/// `"rank r (pid p)"` for each rank in `ranks` whose process is gone.
+pub fn exited(seg: &Segment, ranks: impl IntoIterator<Item = usize>) -> Vec<String> {
+    ranks
+        .into_iter()
+        .filter_map(|r| {
+            let pid = pid_of(seg, r);
+            segment::pid_dead(pid).then(|| format!("rank {r} (pid {pid})"))
+        })
+        .collect()
+}
+
+/// Publishes `rank`'s descriptor words for the step of `parity` (Relaxed; ordered by the
+/// `arrive` that follows).
+pub fn publish_desc(seg: &Segment, rank: usize, parity: usize, words: [u64; DESC_WORDS]) {
+    for (w, v) in seg.ctrl(rank).desc[parity].iter().zip(words) {
+        w.store(v, Ordering::Relaxed);
+    }
+}
+
+/// Rank `r`'s descriptor words for the step of `parity` (Relaxed; call only after
+/// `wait_all` for that step). Untrusted: decode with `Desc::decode`.
+pub fn read_desc(seg: &Segment, r: usize, parity: usize) -> [u64; DESC_WORDS] {
+    std::array::from_fn(|i| seg.ctrl(r).desc[parity][i].load(Ordering::Relaxed))
+}
+
+/// Publishes the address (in this process) of the buffer peers read in the coming
+/// single-copy step (Relaxed; ordered by the `arrive` that follows).
+pub fn publish_addr(seg: &Segment, rank: usize, addr: u64) {
+    seg.ctrl(rank).addr.store(addr, Ordering::Relaxed);
+}
+
+/// Every rank's (pid, published address), after `wait_all` for the step that published
+/// them. Untrusted: only passed to the kernel (`cma::read`), which checks the range.
+pub fn peer_addrs(seg: &Segment) -> Vec<(u32, u64)> {
+    (0..seg.world_size()).map(|q| (seg.ctrl(q).pid.load(Ordering::Relaxed), seg.ctrl(q).addr.load(Ordering::Relaxed))).collect()
+}
+
+/// Publishes the address and value of this rank's single-copy probe word (Relaxed;
+/// ordered by the `arrive` that follows).
+pub fn publish_probe(seg: &Segment, rank: usize, addr: u64, value: u64) {
+    let c = seg.ctrl(rank);
+    c.addr.store(addr, Ordering::Relaxed);
+    c.probe.store(value, Ordering::Relaxed);
+}
+
+/// Rank `q`'s (pid, probe address, probe value), after `wait_all` for the probe step.
+pub fn read_probe(seg: &Segment, q: usize) -> (u32, u64, u64) {
+    let c = seg.ctrl(q);
+    (c.pid.load(Ordering::Relaxed), c.addr.load(Ordering::Relaxed), c.probe.load(Ordering::Relaxed))
+}
+
+/// Publishes this rank's single-copy verdict / threshold (Relaxed; ordered by `arrive`).
+pub fn publish_cma(seg: &Segment, rank: usize, v: u64) {
+    seg.ctrl(rank).cma.store(v, Ordering::Relaxed);
+}
+
+/// Rank `q`'s published single-copy verdict, after `wait_all` for its step.
+pub fn read_cma(seg: &Segment, q: usize) -> u64 {
+    seg.ctrl(q).cma.load(Ordering::Relaxed)
 }

@@ -561,7 +561,7 @@ def measure_overhead(group, ctrl, plan: Plan, rank: int, device) -> dict:
         (OVERHEAD_LAYERS[0][0], OVERHEAD_LAYERS[0][1], lambda: dist.all_reduce(t, group=group), t),
         (OVERHEAD_LAYERS[1][0], OVERHEAD_LAYERS[1][1], lambda: _waited(pg.allreduce([t], opts)), t),
         (OVERHEAD_LAYERS[2][0], OVERHEAD_LAYERS[2][1],
-         lambda: comm.allreduce(ptr, 1, "float32", 0), t),
+         lambda: comm.allreduce(ptr, 4, 1, "float32", 0), t),
         (OVERHEAD_LAYERS[3][0], OVERHEAD_LAYERS[3][1],
          lambda: dist.all_reduce(t, group=group, async_op=True).wait(), t),
     ]

@@ -5,7 +5,7 @@
 use flagos_shm::algorithms::slice_bounds;
 use flagos_shm::reduce::{reduce_bytes, DType, ReduceOp, Reduction};
 use flagos_shm::segment::{self, NAME_PREFIX};
-use flagos_shm::{Communicator, Error};
+use flagos_shm::{Buf, Communicator, Error};
 use half::{bf16, f16};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -261,16 +261,15 @@ fn allreduce_and_reduce_match_reference_for_every_dtype_and_op() {
                         let mine: Vec<f64> = (0..len).map(|i| value(dtype, rank, i, 3)).collect();
                         let mut buf = aligned_buf(dtype, &mine);
                         // SAFETY: `buf` holds at least len elements of dtype, 8-byte aligned.
-                        unsafe { c.allreduce(buf.as_mut_ptr().cast(), len, dtype, op, 0.5).unwrap() };
+                        c.allreduce(Buf::from_elems_mut(&mut buf), len, dtype, op, 0.5).unwrap();
                         let got = decode(dtype, &bytes_of(&buf)[..len * dtype.size()]);
                         let root = len % n;
                         let mut rbuf = aligned_buf(dtype, &mine);
                         // SAFETY: as above.
-                        unsafe { c.reduce(rbuf.as_mut_ptr().cast(), len, dtype, op, 0.5, root).unwrap() };
+                        c.reduce(Buf::from_elems_mut(&mut rbuf), len, dtype, op, 0.5, root).unwrap();
                         let rgot = decode(dtype, &bytes_of(&rbuf)[..len * dtype.size()]);
                         for i in 0..len {
-                            let xs: Vec<f64> =
-                                (0..n).map(|r| decode(dtype, &encode(dtype, &[value(dtype, r, i, 3)]))[0]).collect();
+                            let xs: Vec<f64> = (0..n).map(|r| decode(dtype, &encode(dtype, &[value(dtype, r, i, 3)]))[0]).collect();
                             let want = reference(dtype, op, 0.5, &xs);
                             if got[i] != want {
                                 bad.push(format!("allreduce {dtype:?} {op:?} len={len} i={i}: {} != {want}", got[i]));
@@ -311,21 +310,21 @@ fn data_movement_collectives_match_reference() {
                 let mut out = vec![0u64; (n * count * es).div_ceil(8).max(1)];
                 let want: Vec<f64> = (0..n).flat_map(|r| (0..count).map(move |i| v(r, i))).collect();
                 // SAFETY: sizes as documented, buffers 8-byte aligned.
-                unsafe { c.allgather(input.as_ptr().cast(), out.as_mut_ptr().cast(), count, dtype).unwrap() };
+                c.allgather(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), count, dtype).unwrap();
                 if dec(&out, n * count) != want {
                     bad.push(format!("allgather count={count}"));
                 }
                 for root in 0..n {
                     let mut out = vec![0u64; (n * count * es).div_ceil(8).max(1)];
                     // SAFETY: as above.
-                    unsafe { c.gather(input.as_ptr().cast(), out.as_mut_ptr().cast(), count, dtype, root).unwrap() };
+                    c.gather(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), count, dtype, root).unwrap();
                     if rank == root && dec(&out, n * count) != want {
                         bad.push(format!("gather root={root} count={count}"));
                     }
                     // broadcast
                     let mut b = enc((0..count).map(|i| v(rank, i)).collect());
                     // SAFETY: as above.
-                    unsafe { c.broadcast(b.as_mut_ptr().cast(), count, dtype, root).unwrap() };
+                    c.broadcast(Buf::from_elems_mut(&mut b), count, dtype, root).unwrap();
                     if dec(&b, count) != (0..count).map(|i| v(root, i)).collect::<Vec<_>>() {
                         bad.push(format!("broadcast root={root} count={count}"));
                     }
@@ -333,7 +332,7 @@ fn data_movement_collectives_match_reference() {
                     let src = enc((0..n * count).map(|i| v(rank, i)).collect());
                     let mut o = vec![0u64; (count * es).div_ceil(8).max(1)];
                     // SAFETY: as above.
-                    unsafe { c.scatter(src.as_ptr().cast(), o.as_mut_ptr().cast(), count, dtype, root).unwrap() };
+                    c.scatter(Buf::from_elems(&src), Buf::from_elems_mut(&mut o), count, dtype, root).unwrap();
                     if dec(&o, count) != (0..count).map(|i| v(root, rank * count + i)).collect::<Vec<_>>() {
                         bad.push(format!("scatter root={root} count={count}"));
                     }
@@ -342,14 +341,14 @@ fn data_movement_collectives_match_reference() {
                 let src = enc((0..n * count).map(|i| v(rank, i)).collect());
                 let mut o = vec![0u64; (n * count * es).div_ceil(8).max(1)];
                 // SAFETY: as above.
-                unsafe { c.alltoall(src.as_ptr().cast(), o.as_mut_ptr().cast(), count, dtype).unwrap() };
+                c.alltoall(Buf::from_elems(&src), Buf::from_elems_mut(&mut o), count, dtype).unwrap();
                 let want: Vec<f64> = (0..n).flat_map(|q| (0..count).map(move |i| v(q, rank * count + i))).collect();
                 if dec(&o, n * count) != want {
                     bad.push(format!("alltoall count={count}"));
                 }
                 let mut o = vec![0u64; (count * es).div_ceil(8).max(1)];
                 // SAFETY: as above.
-                unsafe { c.reduce_scatter(src.as_ptr().cast(), o.as_mut_ptr().cast(), count, dtype, ReduceOp::Sum, 1.0).unwrap() };
+                c.reduce_scatter(Buf::from_elems(&src), Buf::from_elems_mut(&mut o), count, dtype, ReduceOp::Sum, 1.0).unwrap();
                 let want: Vec<f64> = (0..count).map(|i| (0..n).map(|q| v(q, rank * count + i)).sum()).collect();
                 if dec(&o, count) != want {
                     bad.push(format!("reduce_scatter count={count}"));
@@ -373,7 +372,7 @@ fn half_allreduce_is_bitwise_identical_on_every_rank() {
             let vals: Vec<f64> = (0..len).map(|_| (r.next() % 100_000) as f64 / 997.0 - 50.0).collect();
             let mut buf = aligned_buf(dtype, &vals);
             // SAFETY: buffer holds len elements, 8-byte aligned.
-            unsafe { c.allreduce(buf.as_mut_ptr().cast(), len, dtype, ReduceOp::Sum, 1.0).unwrap() };
+            c.allreduce(Buf::from_elems_mut(&mut buf), len, dtype, ReduceOp::Sum, 1.0).unwrap();
             buf
         });
         assert!(outs.iter().all(|o| *o == outs[0]), "{dtype:?}");
@@ -387,7 +386,7 @@ fn mismatched_calls_raise_on_every_rank_and_the_group_stays_usable() {
         // rank 2 passes a different count
         let count = if rank == 2 { 99 } else { 100 };
         // SAFETY: buffer holds 100 f32.
-        let e = unsafe { c.allreduce(buf.as_mut_ptr().cast(), count, DType::F32, ReduceOp::Sum, 1.0) };
+        let e = c.allreduce(Buf::from_elems_mut(&mut buf), count, DType::F32, ReduceOp::Sum, 1.0);
         let msg = match e {
             Err(Error::Mismatch(m)) => m,
             other => panic!("rank {rank}: expected Mismatch, got {other:?}"),
@@ -397,7 +396,7 @@ fn mismatched_calls_raise_on_every_rank_and_the_group_stays_usable() {
             c.fail(flagos_shm::Kind::from_name("_broadcast_coalesced")).map(|_| String::new())
         } else {
             // SAFETY: as above.
-            match unsafe { c.broadcast(buf.as_mut_ptr().cast(), 100, DType::F32, 0) } {
+            match c.broadcast(Buf::from_elems_mut(&mut buf), 100, DType::F32, 0) {
                 Err(Error::Mismatch(m)) => Ok(m),
                 other => panic!("rank {rank}: expected Mismatch, got {other:?}"),
             }
@@ -405,7 +404,7 @@ fn mismatched_calls_raise_on_every_rank_and_the_group_stays_usable() {
         // and the group still works
         let mut ok = aligned_buf(DType::F32, &[rank as f64; 10]);
         // SAFETY: buffer holds 10 f32.
-        unsafe { c.allreduce(ok.as_mut_ptr().cast(), 10, DType::F32, ReduceOp::Sum, 1.0).unwrap() };
+        c.allreduce(Buf::from_elems_mut(&mut ok), 10, DType::F32, ReduceOp::Sum, 1.0).unwrap();
         (msg, e2.unwrap(), decode(DType::F32, &bytes_of(&ok)[..40]), decode(DType::F32, &bytes_of(&buf)[..400]))
     });
     for (r, (msg, rejected, sum, untouched)) in outs.iter().enumerate() {
@@ -424,9 +423,9 @@ fn premul_sum_factors_must_agree() {
         let mut buf = aligned_buf(DType::F32, &[1.0; 4]);
         let factor = if rank == 0 { 2.0 } else { 3.0 };
         // SAFETY: buffer holds 4 f32.
-        let e = unsafe { c.allreduce(buf.as_mut_ptr().cast(), 4, DType::F32, ReduceOp::PremulSum, factor) };
+        let e = c.allreduce(Buf::from_elems_mut(&mut buf), 4, DType::F32, ReduceOp::PremulSum, factor);
         // SAFETY: as above; equal factors work afterwards.
-        unsafe { c.allreduce(buf.as_mut_ptr().cast(), 4, DType::F32, ReduceOp::PremulSum, 0.5).unwrap() };
+        c.allreduce(Buf::from_elems_mut(&mut buf), 4, DType::F32, ReduceOp::PremulSum, 0.5).unwrap();
         (e, decode(DType::F32, &bytes_of(&buf)[..16]))
     });
     for (e, vals) in outs {
@@ -500,11 +499,15 @@ fn segments_are_private_and_checked_on_attach() {
     assert_eq!(std::fs::metadata(&path).unwrap().permissions().mode() & 0o777, 0o600);
     assert_eq!(std::fs::metadata(&path).unwrap().len() as usize, segment::segment_bytes(2, SLOT));
     // wrong group size
-    assert!(matches!(Communicator::attach(&path, 0, 3, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("created for 2 ranks")));
+    assert!(
+        matches!(Communicator::attach(&path, 0, 3, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("created for 2 ranks"))
+    );
     // (the failed attach unlinked it) bad magic
     let path = segment::create(&dir, 2, SLOT).unwrap();
     corrupt(&path, 0, b"NOTMAGIC");
-    assert!(matches!(Communicator::attach(&path, 0, 2, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("bad magic")));
+    assert!(
+        matches!(Communicator::attach(&path, 0, 2, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("bad magic"))
+    );
     // world size in the header mangled
     let path = segment::create(&dir, 2, SLOT).unwrap();
     corrupt(&path, 12, &7u32.to_ne_bytes());
@@ -512,7 +515,9 @@ fn segments_are_private_and_checked_on_attach() {
     // group-readable permissions are refused
     let path = segment::create(&dir, 2, SLOT).unwrap();
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
-    assert!(matches!(Communicator::attach(&path, 0, 2, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("mode 0600")));
+    assert!(
+        matches!(Communicator::attach(&path, 0, 2, Duration::from_millis(50)), Err(Error::InvalidArgument(m)) if m.contains("mode 0600"))
+    );
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0, "failed attaches must unlink");
     std::fs::remove_dir(&dir).unwrap();
 }
@@ -525,20 +530,26 @@ fn bad_geometry_is_rejected_with_the_argument_named() {
     std::fs::remove_dir(&dir).unwrap();
 }
 
+/// The sweep decides by the creator's lock, not by the pid in the header: a segment whose
+/// recorded pid has exited (as a live creator in another PID namespace looks from here)
+/// but whose creator still holds its lock stays; one whose lock is free (the kernel frees
+/// it when the creator exits; here released by hand) is removed.
 #[test]
-fn segments_of_dead_creators_are_swept_and_live_ones_kept() {
+fn the_sweep_removes_only_segments_whose_creator_lock_is_free() {
     let dir = tmpdir();
     let live = segment::create(&dir, 2, SLOT).unwrap();
-    let stale = segment::create(&dir, 2, SLOT).unwrap();
+    let gone = segment::create(&dir, 2, SLOT).unwrap();
     let mut child = std::process::Command::new("true").spawn().unwrap();
     let dead_pid = child.id();
     child.wait().unwrap();
     // creator_pid sits after magic (8), version (4), world_size (4), slot_bytes (8),
     // total_bytes (8) and creator_uid (4).
-    corrupt(&stale, 36, &dead_pid.to_ne_bytes());
-    assert_eq!(segment::remove_stale(&dir), vec![stale.clone()]);
-    assert!(live.exists() && !stale.exists());
+    corrupt(&live, 36, &dead_pid.to_ne_bytes());
+    segment::release_creator_lock(&gone);
+    assert_eq!(segment::remove_stale(&dir), vec![gone.clone()]);
+    assert!(live.exists() && !gone.exists());
     std::fs::remove_file(&live).unwrap();
+    segment::release_creator_lock(&live);
     std::fs::remove_dir(&dir).unwrap();
 }
 
@@ -568,15 +579,17 @@ fn progress_queue_keeps_issue_order_and_results() {
                     if j == JOBS / 2 {
                         // An inline call in the middle: runs after the 6 queued before it.
                         let mut x = [r as f64 + 1.0; 5];
-                        // SAFETY: `x` lives across the call.
-                        prog.run(|c| unsafe { c.allreduce(x.as_mut_ptr() as *mut u8, 5, DType::F64, ReduceOp::Max, 1.0) }).unwrap();
+                        prog.run(|c| c.allreduce(Buf::from_elems_mut(&mut x), 5, DType::F64, ReduceOp::Max, 1.0)).unwrap();
                         assert_eq!(x, [N as f64; 5]);
                     }
                     let log = Arc::clone(&log);
                     last = prog.submit(
-                        // SAFETY: the buffers outlive the jobs: help_until below returns only
-                        // after the last job (and so every earlier one) has finished.
-                        Box::new(move |c| unsafe { c.allreduce(ptr as *mut u8, len, DType::F64, ReduceOp::Sum, 1.0) }),
+                        Box::new(move |c| {
+                            // SAFETY: the buffers outlive the jobs: help_until below returns
+                            // only after the last job (and so every earlier one) has finished.
+                            let b = unsafe { Buf::from_raw_parts(ptr as *mut u8, len * 8) };
+                            c.allreduce(b, len, DType::F64, ReduceOp::Sum, 1.0)
+                        }),
                         Box::new(move |res| log.lock().unwrap().push((j, res.is_ok()))),
                     );
                 }
@@ -627,7 +640,7 @@ fn progress_close_after_abort_fails_queued_jobs() {
     prog.close();
     let errors = errors.lock().unwrap();
     assert_eq!(errors.len(), 4);
-    assert!(errors.iter().all(|e| e.contains("abort")), "{errors:?}");
+    assert!(errors.iter().all(|e| e.contains("abort") || e.contains("shut down")), "{errors:?}");
     let errors2 = Arc::new(Mutex::new(None));
     let e2 = Arc::clone(&errors2);
     assert_eq!(prog.submit(Box::new(|c| c.barrier()), Box::new(move |res| *e2.lock().unwrap() = Some(res.is_err()))), 0);
@@ -666,10 +679,13 @@ fn progress_sync_call_from_a_callback_with_jobs_queued_fails_fast() {
     );
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let d2 = Arc::clone(&done);
-    let second = prog.submit(Box::new(|c| c.barrier()), Box::new(move |res| {
-        res.unwrap();
-        d2.store(true, std::sync::atomic::Ordering::SeqCst);
-    }));
+    let second = prog.submit(
+        Box::new(|c| c.barrier()),
+        Box::new(move |res| {
+            res.unwrap();
+            d2.store(true, std::sync::atomic::Ordering::SeqCst);
+        }),
+    );
     assert!(first < second);
     // Not help_until: that would run the first job (and its callback) on this thread.
     let t = std::time::Instant::now();
@@ -683,5 +699,128 @@ fn progress_sync_call_from_a_callback_with_jobs_queued_fails_fast() {
     assert!(r.as_ref().is_err_and(|e| e.contains("completion callback")), "{r:?}");
     assert!(*took < Duration::from_secs(1), "{took:?}");
     prog.close();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn too_short_buffers_are_refused_by_name_and_nothing_is_written() {
+    // Each case: rank 1 passes a buffer one element short; rank 1 gets InvalidArgument
+    // naming the argument, rank 0 gets Mismatch naming rank 1, nobody's memory changes,
+    // and the group goes on.
+    let outs = with_group(2, SLOT, |rank, c| {
+        let n = 2;
+        let count = 3000; // several chunks of the 8 KiB slots
+        let short = |full: usize| if rank == 1 { full - 4 } else { full };
+        let mut errs = Vec::new();
+        let mut inp = vec![7.0f32; n * count];
+        let mut out = vec![-1.0f32; n * count + 1];
+        let check = |what: &str, r: Result<(), Error>, errs: &mut Vec<String>| match (rank, r) {
+            (1, Err(Error::InvalidArgument(m))) => errs.push(format!("{what}: {m}")),
+            (0, Err(Error::Mismatch(m))) if m.contains("rank 1 rejected its arguments") => {}
+            (_, other) => panic!("rank {rank} {what}: unexpected {other:?}"),
+        };
+        let bytes = |v: &mut Vec<f32>, len: usize| {
+            // SAFETY: `len` <= the vector's byte length; the vector outlives the call.
+            unsafe { Buf::from_raw_parts(v.as_mut_ptr().cast(), len) }
+        };
+        let r = c.allreduce(bytes(&mut out, short(count * 4)), count, DType::F32, ReduceOp::Sum, 1.0);
+        check("allreduce", r, &mut errs);
+        let r = c.broadcast(bytes(&mut out, short(count * 4)), count, DType::F32, 0);
+        check("broadcast", r, &mut errs);
+        let r = c.allgather(Buf::from_elems(&inp[..count]), bytes(&mut out, short(n * count * 4)), count, DType::F32);
+        check("allgather", r, &mut errs);
+        let r = c.reduce_scatter(bytes(&mut inp, short(n * count * 4)), bytes(&mut out, count * 4), count, DType::F32, ReduceOp::Sum, 1.0);
+        check("reduce_scatter", r, &mut errs);
+        let r = c.gather(Buf::from_elems(&inp[..count]), bytes(&mut out, short(n * count * 4)), count, DType::F32, 1);
+        check("gather", r, &mut errs);
+        let r = c.scatter(bytes(&mut inp, short(n * count * 4)), bytes(&mut out, count * 4), count, DType::F32, 1);
+        check("scatter", r, &mut errs);
+        let r = c.alltoall(Buf::from_elems(&inp), bytes(&mut out, short(n * count * 4)), count, DType::F32);
+        check("alltoall", r, &mut errs);
+        let untouched = out.iter().all(|&v| v == -1.0) && inp.iter().all(|&v| v == 7.0);
+        let mut ok = [rank as f32 + 1.0; 4];
+        c.allreduce(Buf::from_elems_mut(&mut ok), 4, DType::F32, ReduceOp::Sum, 1.0).unwrap();
+        (errs, untouched, ok)
+    });
+    let (errs, untouched, ok) = &outs[1];
+    let names = ["nbytes", "nbytes", "out_nbytes", "in_nbytes", "out_nbytes", "in_nbytes", "out_nbytes"];
+    assert_eq!(errs.len(), names.len(), "{errs:?}");
+    for (e, name) in errs.iter().zip(names) {
+        assert!(e.split(": ").nth(1) == Some(name) && e.contains("too small"), "{e}");
+    }
+    for (r, (_, untouched, _)) in outs.iter().enumerate() {
+        assert!(untouched, "rank {r}: a refused call wrote memory");
+    }
+    let _ = untouched;
+    assert_eq!(ok, &[3.0; 4]);
+    assert_eq!(outs[0].2, [3.0; 4]);
+}
+
+#[test]
+fn ranks_that_would_take_different_transfer_paths_raise_mismatch_not_wrong_data() {
+    // Rank 0 uses single-copy transfers from 1 byte, rank 1 never does (as with different
+    // single-copy settings per rank): every rank must raise Mismatch naming both paths,
+    // leave its buffer untouched, and the group must stay usable.
+    let outs = with_group(2, SLOT, |rank, c| {
+        let available = c.single_copy_min_bytes().is_some();
+        c.set_single_copy_min_bytes(if rank == 0 { Some(1) } else { None });
+        let mut buf = vec![rank as f32 + 1.0; 4096];
+        let r = c.allreduce(Buf::from_elems_mut(&mut buf), 4096, DType::F32, ReduceOp::Sum, 1.0);
+        let mut g_out = vec![0f32; 2 * 4096];
+        let g = c.allgather(Buf::from_elems(&buf), Buf::from_elems_mut(&mut g_out), 4096, DType::F32);
+        let untouched = buf.iter().all(|&v| v == rank as f32 + 1.0) && g_out.iter().all(|&v| v == 0.0);
+        c.set_single_copy_min_bytes(None);
+        let mut ok = vec![rank as f32 + 1.0; 4096];
+        c.allreduce(Buf::from_elems_mut(&mut ok), 4096, DType::F32, ReduceOp::Sum, 1.0).unwrap();
+        (available, r, g, untouched, ok.iter().all(|&v| v == 3.0))
+    });
+    if !outs[0].0 {
+        eprintln!("single-copy transfers unavailable here; nothing to disagree on");
+        return;
+    }
+    for (rank, (_, r, g, untouched, ok)) in outs.into_iter().enumerate() {
+        for (what, r) in [("allreduce", r), ("allgather", g)] {
+            match r {
+                Err(Error::Mismatch(m)) => assert!(m.contains("single-copy") && m.contains("via slots"), "rank {rank} {what}: {m}"),
+                other => panic!("rank {rank} {what}: expected Mismatch, got {other:?}"),
+            }
+        }
+        assert!(untouched, "rank {rank}: a mismatched call wrote its buffers");
+        assert!(ok, "rank {rank}: the group is not usable afterwards");
+    }
+}
+
+/// Closing with queued jobs that the peer never issues does not wait for their timeouts:
+/// the running one is cut short by the abort, the queued ones fail without running.
+#[test]
+fn progress_close_with_unmatched_queued_jobs_is_prompt() {
+    use flagos_shm::progress::{Progress, SHUT_DOWN};
+    use std::sync::Mutex;
+    let dir = tmpdir();
+    let path = segment::create(&dir, 2, SLOT).unwrap();
+    let p = path.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    // Rank 1 attaches and then issues nothing until rank 0 is done.
+    let peer = std::thread::spawn(move || {
+        let c = Communicator::attach(&p, 1, 2, Duration::from_secs(60)).unwrap();
+        let _ = rx.recv_timeout(Duration::from_secs(60));
+        drop(c);
+    });
+    let prog = Progress::new(Communicator::attach(&path, 0, 2, Duration::from_secs(60)).unwrap());
+    let errors = Arc::new(Mutex::new(Vec::new()));
+    for _ in 0..4 {
+        let errors = Arc::clone(&errors);
+        prog.submit(Box::new(|c| c.barrier()), Box::new(move |res| errors.lock().unwrap().push(res.unwrap_err().to_string())));
+    }
+    let t = std::time::Instant::now();
+    prog.close();
+    let took = t.elapsed();
+    tx.send(()).unwrap();
+    peer.join().unwrap();
+    let errors = errors.lock().unwrap();
+    assert_eq!(errors.len(), 4, "{errors:?}");
+    assert!(errors.iter().filter(|e| e.contains(SHUT_DOWN)).count() >= 3, "{errors:?}");
+    assert!(took < Duration::from_secs(5), "close took {took:?} with a 60 s timeout");
+    eprintln!("close with 4 unmatched jobs took {took:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -13,10 +13,10 @@
 //! `PROPTEST_CASES=200000 FLAGOS_SHM_FUZZ_LIVE_CASES=1000 cargo test --release --test fuzz -- --nocapture`
 //! (each test prints its case count and time).
 
-use flagos_shm::algorithms::{check_peer_desc, Desc, ATTACH_STEPS};
+use flagos_shm::algorithms::{check_peer_desc, Desc, Transfer, ATTACH_STEPS};
 use flagos_shm::reduce::{DType, ReduceOp};
 use flagos_shm::segment::{self, Segment, DESC_WORDS, HEADER_BYTES, MAGIC, NAME_PREFIX, VERSION};
-use flagos_shm::{Communicator, Error, Kind};
+use flagos_shm::{Buf, Communicator, Error, Kind};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
@@ -140,15 +140,7 @@ fn oracle(f: &Fields, world: usize, file_len: u64) -> bool {
 fn header_strategy() -> impl Strategy<Value = Fields> {
     let valid = (1u32..=4, 1u64..=4, any::<u32>()).prop_map(|(w, k, pid)| {
         let slot = k * 4096;
-        Fields {
-            magic: MAGIC,
-            version: VERSION,
-            world: w,
-            slot,
-            total: layout_total(w as u128, slot as u128) as u64,
-            uid: uid(),
-            pid,
-        }
+        Fields { magic: MAGIC, version: VERSION, world: w, slot, total: layout_total(w as u128, slot as u128) as u64, uid: uid(), pid }
     });
     let mutation = prop_oneof![
         3 => Just(None),
@@ -273,8 +265,11 @@ fn random_header_files_open_only_when_valid() {
 
 /// A descriptor a well-behaved rank of a `world`-rank group could publish.
 fn local_desc(world: usize) -> impl Strategy<Value = Desc> {
-    (0..Kind::ALL.len(), 0..DType::ALL.len(), 0..ReduceOp::ALL.len(), any::<u64>(), 0..world as u64, any::<u64>(), any::<u64>()).prop_map(
-        |(k, d, o, count, root, seq, factor)| Desc {
+    (
+        (0..Kind::ALL.len(), 0..DType::ALL.len(), 0..ReduceOp::ALL.len(), any::<u64>(), 0..world as u64, any::<u64>(), any::<u64>()),
+        (0..Transfer::ALL.len(), any::<u64>()),
+    )
+        .prop_map(|((k, d, o, count, root, seq, factor), (path, chunk))| Desc {
             kind: Kind::ALL[k] as u8,
             dtype: DType::ALL[d] as u32,
             op: ReduceOp::ALL[o] as u32,
@@ -283,12 +278,13 @@ fn local_desc(world: usize) -> impl Strategy<Value = Desc> {
             root,
             seq: seq % 1000,
             factor,
-        },
-    )
+            path: Transfer::ALL[path] as u8,
+            chunk,
+        })
 }
 
 /// What a peer's control block holds: our own words, our words with a few bits flipped
-/// or a word replaced, or 6 random words.
+/// or a word replaced, or random words.
 fn peer_words(mine: [u64; DESC_WORDS]) -> impl Strategy<Value = [u64; DESC_WORDS]> {
     prop_oneof![
         2 => Just(mine),
@@ -304,16 +300,15 @@ fn peer_words(mine: [u64; DESC_WORDS]) -> impl Strategy<Value = [u64; DESC_WORDS
             w[i] = v;
             w
         }),
-        2 => prop::array::uniform6(any::<u64>()),
+        2 => prop::array::uniform7(any::<u64>()),
     ]
 }
 
 #[test]
 fn random_descriptors_match_only_when_equal() {
     let tally = Tally::new("Desc::decode + check_peer_desc");
-    let strat = (1usize..=4)
-        .prop_flat_map(|n| (Just(n), local_desc(n)))
-        .prop_flat_map(|(n, mine)| (Just(n), Just(mine), peer_words(mine.words())));
+    let strat =
+        (1usize..=4).prop_flat_map(|n| (Just(n), local_desc(n))).prop_flat_map(|(n, mine)| (Just(n), Just(mine), peer_words(mine.words())));
     proptest!(config(PARSER_CASES), |((n, mine, words) in strat)| {
         tally.tick(words == mine.words());
         // A local descriptor decodes to itself.
@@ -375,23 +370,19 @@ fn run_op(comm: &mut Communicator, op: u8, count: usize, root: usize) -> (Result
     let me = comm.rank();
     let input: Vec<f32> = (0..n * count).map(|i| (me * 1000 + i) as f32).collect();
     let mut out = vec![0f32; n * count];
-    let (i, o) = (input.as_ptr() as *const u8, out.as_mut_ptr() as *mut u8);
-    // SAFETY: `input` and `out` hold n * count f32 each, more than every collective here
-    // reads or writes; they do not overlap.
-    let r = unsafe {
-        match op {
-            0 => comm.barrier(),
-            1 => {
-                out[..count].copy_from_slice(&input[..count]);
-                comm.allreduce(o, count, DType::F32, ReduceOp::Sum, 1.0)
-            }
-            2 => comm.broadcast(o, count, DType::F32, root),
-            3 => comm.allgather(i, o, count, DType::F32),
-            4 => comm.reduce_scatter(i, o, count, DType::F32, ReduceOp::Max, 1.0),
-            5 => comm.alltoall(i, o, count, DType::F32),
-            6 => comm.scatter(i, o, count, DType::F32, root),
-            _ => comm.gather(i, o, count, DType::F32, root),
-        }
+    if op == 1 {
+        out[..count].copy_from_slice(&input[..count]);
+    }
+    let (i, o) = (Buf::from_elems(&input), Buf::from_elems_mut(&mut out));
+    let r = match op {
+        0 => comm.barrier(),
+        1 => comm.allreduce(o, count, DType::F32, ReduceOp::Sum, 1.0),
+        2 => comm.broadcast(o, count, DType::F32, root),
+        3 => comm.allgather(i, o, count, DType::F32),
+        4 => comm.reduce_scatter(i, o, count, DType::F32, ReduceOp::Max, 1.0),
+        5 => comm.alltoall(i, o, count, DType::F32),
+        6 => comm.scatter(i, o, count, DType::F32, root),
+        _ => comm.gather(i, o, count, DType::F32, root),
     };
     (r, out)
 }
@@ -422,16 +413,18 @@ fn a_scribbling_peer_makes_collectives_fail_not_crash() {
         let gate = Arc::new(std::sync::Barrier::new(3)); // 2 ranks + the attacker
         let done = Arc::new(AtomicBool::new(false));
         let ops = Arc::new(ops);
-        let ranks: Vec<_> = (0..2).map(|r| {
-            let (p, gate, ops) = (path.clone(), Arc::clone(&gate), Arc::clone(&ops));
-            std::thread::spawn(move || {
-                let mut c = Communicator::attach(&p, r, 2, Duration::from_secs(10)).unwrap();
-                c.set_timeout(LIVE_TIMEOUT);
-                gate.wait();
-                // Repeat the script so the attack lands in the middle of collectives.
-                (0..ROUNDS).flat_map(|_| ops.iter()).map(|&(op, count, root)| run_op(&mut c, op, count, root)).collect::<Vec<_>>()
+        let ranks: Vec<_> = (0..2)
+            .map(|r| {
+                let (p, gate, ops) = (path.clone(), Arc::clone(&gate), Arc::clone(&ops));
+                std::thread::spawn(move || {
+                    let mut c = Communicator::attach(&p, r, 2, Duration::from_secs(10)).unwrap();
+                    c.set_timeout(LIVE_TIMEOUT);
+                    gate.wait();
+                    // Repeat the script so the attack lands in the middle of collectives.
+                    (0..ROUNDS).flat_map(|_| ops.iter()).map(|&(op, count, root)| run_op(&mut c, op, count, root)).collect::<Vec<_>>()
+                })
             })
-        }).collect();
+            .collect();
         // Keep writing the garbage until the ranks are done: a peer that keeps lying.
         let attacker = {
             let (done, gate) = (Arc::clone(&done), Arc::clone(&gate));
@@ -467,12 +460,19 @@ fn a_scribbling_peer_makes_collectives_fail_not_crash() {
         let bound = LIVE_TIMEOUT * 4 * (ROUNDS * ops.len()) as u32 + Duration::from_secs(2);
         prop_assert!(start.elapsed() < bound, "took {:?}", start.elapsed());
         if start.elapsed() > Duration::from_secs(1) {
-            eprintln!("fuzz live: slow case ({:.1} s): {target:?} = {value:#x} after {delay_us} us, script {ops:?}", start.elapsed().as_secs_f64());
+            eprintln!(
+                "fuzz live: slow case ({:.1} s): {target:?} = {value:#x} after {delay_us} us, script {ops:?}",
+                start.elapsed().as_secs_f64()
+            );
         }
         tally.tick(results.iter().flatten().all(|(r, _)| r.is_ok()));
         if let Some(Err(e)) = results.iter().flatten().map(|(r, _)| r).find(|r| r.is_err()) {
             let name = |d: String| d.split('(').next().unwrap_or("?").to_string();
-            *first_errors.lock().unwrap().entry(format!("{} (garbage in {})", name(format!("{e:?}")), name(format!("{target:?}")))).or_insert(0) += 1;
+            *first_errors
+                .lock()
+                .unwrap()
+                .entry(format!("{} (garbage in {})", name(format!("{e:?}")), name(format!("{target:?}"))))
+                .or_insert(0) += 1;
         }
         for (r, res) in results.iter().enumerate() {
             for (k, (res, out)) in res.iter().enumerate() {
@@ -552,7 +552,18 @@ fn a_forged_descriptor_is_reported() {
     // (0xff), then the arrival.
     let step = ATTACH_STEPS + 1;
     let parity = (step % 2) as usize;
-    let honest = Desc { kind: Kind::Barrier as u8, dtype: DType::U8 as u32, op: 0, flags: 0, count: 0, root: 0, seq: 0, factor: 0 };
+    let honest = Desc {
+        kind: Kind::Barrier as u8,
+        dtype: DType::U8 as u32,
+        op: 0,
+        flags: 0,
+        count: 0,
+        root: 0,
+        seq: 0,
+        factor: 0,
+        path: 0,
+        chunk: 0,
+    };
     let mut lie = honest.words();
     lie[0] |= 0xff;
     for (w, v) in evil.ctrl(1).desc[parity].iter().zip(lie) {

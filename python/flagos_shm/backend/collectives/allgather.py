@@ -38,8 +38,8 @@ class Gathering(CollectiveBase):
         comm, n, count = self._comm, self._world_size, max(counts)
         src = inp if inp.tensor.numel() == count else staging.pack([inp.host], count)
         dst = staging.scratch(n * count, inp.torch_dtype)
-        return self._run(name, outs, [], [lambda done: comm.allgather(src.ptr, dst.ptr, src.numel, src.dtype,
-                                                                      a.timeout_s, done)],
+        return self._run(name, outs, [], [lambda done: comm.allgather(src.ptr, src.nbytes, dst.ptr, dst.nbytes,
+                                                                      src.numel, src.dtype, a.timeout_s, done)],
                          opts, after=lambda: staging.unpack(dst, outs, count))
 
     def all_gather_single(self, output, input, opts=None) -> ShmWork:
@@ -54,7 +54,7 @@ class Gathering(CollectiveBase):
                                  f"{inp.tensor.numel()} elements, got {output.numel()}")
         comm = self._comm
         return self._run(name, [output], [out], [lambda done: comm.allgather(
-            inp.ptr, out.ptr, inp.numel, inp.dtype, a.timeout_s, done)], opts)
+            inp.ptr, inp.nbytes, out.ptr, out.nbytes, inp.numel, inp.dtype, a.timeout_s, done)], opts)
 
 
     def allgather_coalesced(self, output_lists, input_list, opts=None) -> ShmWork:
@@ -78,8 +78,8 @@ class Gathering(CollectiveBase):
                 jobs.append((outs, inp))
         comm, n = self._comm, self._world_size
         dsts = [staging.scratch(n * inp.tensor.numel(), inp.torch_dtype) for _, inp in jobs]
-        calls = [lambda done, inp=inp, dst=dst: comm.allgather(inp.ptr, dst.ptr, inp.numel, inp.dtype,
-                                                               a.timeout_s, done)
+        calls = [lambda done, inp=inp, dst=dst: comm.allgather(inp.ptr, inp.nbytes, dst.ptr, dst.nbytes,
+                                                               inp.numel, inp.dtype, a.timeout_s, done)
                  for (_, inp), dst in zip(jobs, dsts)]
 
         def after():
@@ -98,8 +98,8 @@ class Gathering(CollectiveBase):
                     raise ValueError(f"outputs[{i}]: expected world_size * inputs[{i}].numel() = "
                                      f"{self._world_size * inp.tensor.numel()} elements, got {out.tensor.numel()}")
         comm = self._comm
-        calls = [lambda done, out=out, inp=inp: comm.allgather(inp.ptr, out.ptr, inp.numel, inp.dtype,
-                                                               a.timeout_s, done)
+        calls = [lambda done, out=out, inp=inp: comm.allgather(inp.ptr, inp.nbytes, out.ptr, out.nbytes,
+                                                               inp.numel, inp.dtype, a.timeout_s, done)
                  for out, inp in pairs]
         return self._run(name, list(outputs), [out for out, _ in pairs], calls, opts)
 
@@ -123,5 +123,6 @@ class Gathering(CollectiveBase):
         comm, count = self._comm, inp.tensor.numel()
         dst = staging.scratch(self._world_size * count, inp.torch_dtype) if outs else None
         return self._run(name, outs, [], [lambda done: comm.gather(
-            inp.ptr, dst.ptr if outs else 0, inp.numel, inp.dtype, a.root, a.timeout_s, done)],
+            inp.ptr, inp.nbytes, dst.ptr if outs else 0, dst.nbytes if outs else 0,
+            inp.numel, inp.dtype, a.root, a.timeout_s, done)],
             opts, after=(lambda: staging.unpack(dst, outs, count)) if outs else None)

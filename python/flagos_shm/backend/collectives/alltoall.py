@@ -49,7 +49,7 @@ class AllToAll(CollectiveBase):
         comm = self._comm
         if uniform:
             return self._run(name, [output], [out], [lambda done: comm.alltoall(
-                inp.ptr, out.ptr, inp.numel // n, inp.dtype, a.timeout_s, done)], opts)
+                inp.ptr, inp.nbytes, out.ptr, out.nbytes, inp.numel // n, inp.dtype, a.timeout_s, done)], opts)
         # Uneven splits: Python decides between the size exchange and the data exchange,
         # so this one runs inline (its work is complete when returned).
         return self._run(name, [output], [out], [lambda _: self._alltoall_padded(dst_parts, src_parts, a)],
@@ -77,7 +77,8 @@ class AllToAll(CollectiveBase):
         comm, n, me = self._comm, self._world_size, self._rank
         mine = torch.tensor([p.numel() for p in src_parts] + [p.numel() for p in dst_parts], dtype=torch.int64)
         sizes = torch.empty(n, 2 * n, dtype=torch.int64)
-        comm.allgather(mine.data_ptr(), sizes.data_ptr(), 2 * n, "int64", a.timeout_s)
+        comm.allgather(mine.data_ptr(), mine.numel() * mine.element_size(),
+                       sizes.data_ptr(), sizes.numel() * sizes.element_size(), 2 * n, "int64", a.timeout_s)
         sends, expects = sizes[:, :n], sizes[:, n:]  # sends[p][q]: p -> q; expects[q][p]: q <- p
         bad = [(p, q) for p in range(n) for q in range(n) if sends[p, q] != expects[q, p]]
         if bad:
@@ -88,7 +89,7 @@ class AllToAll(CollectiveBase):
         count = int(sizes.max()) if sizes.numel() else 0
         src = staging.pack(src_parts, count)
         dst = staging.scratch(n * count, src.torch_dtype)
-        comm.alltoall(src.ptr, dst.ptr, src.numel // n, src.dtype, a.timeout_s)
+        comm.alltoall(src.ptr, src.nbytes, dst.ptr, dst.nbytes, src.numel // n, src.dtype, a.timeout_s)
         staging.unpack(dst, dst_parts, count)
 
     def alltoall(self, output_tensors, input_tensors, opts=None) -> ShmWork:

@@ -28,7 +28,7 @@ class OneToAll(CollectiveBase):
             buf = staging.stage(options.single(tensors, "tensors"), "tensors[0]", read=is_root, write=not is_root)
         comm = self._comm
         return self._run(name, [buf.tensor], [buf], [lambda done: comm.broadcast(
-            buf.ptr, buf.numel, buf.dtype, a.root, a.timeout_s, done)], opts)
+            buf.ptr, buf.nbytes, buf.numel, buf.dtype, a.root, a.timeout_s, done)], opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None, timeout=None) -> ShmWork:
         """Copy the root's ``input_tensors[0][r]`` into rank r's ``output_tensors[0]``.
@@ -50,4 +50,5 @@ class OneToAll(CollectiveBase):
         comm = self._comm
         src = staging.pack(ins, out.tensor.numel()) if ins else None
         return self._run(name, [out.tensor], [out], [lambda done: comm.scatter(
-            src.ptr if ins else 0, out.ptr, out.numel, out.dtype, a.root, a.timeout_s, done)], opts)
+            src.ptr if ins else 0, src.nbytes if ins else 0, out.ptr, out.nbytes,
+            out.numel, out.dtype, a.root, a.timeout_s, done)], opts)

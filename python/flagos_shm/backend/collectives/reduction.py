@@ -28,7 +28,7 @@ class Reduction(CollectiveBase):
             options.check_op(a.op, buf, "tensors[0]")
         comm = self._comm
         return self._run(name, [buf.tensor], [buf], [lambda done: comm.allreduce(
-            buf.ptr, buf.numel, buf.dtype, a.op, a.factor, a.timeout_s, done)], opts)
+            buf.ptr, buf.nbytes, buf.numel, buf.dtype, a.op, a.factor, a.timeout_s, done)], opts)
 
     def allreduce_coalesced(self, tensors, opts=None) -> ShmWork:
         """Reduce each tensor of ``tensors`` (one dtype) in place; one collective per tensor."""
@@ -42,7 +42,8 @@ class Reduction(CollectiveBase):
             for buf, arg in zip(bufs, args):
                 options.check_op(a.op, buf, arg)
         comm = self._comm
-        calls = [lambda done, b=buf: comm.allreduce(b.ptr, b.numel, b.dtype, a.op, a.factor, a.timeout_s, done)
+        calls = [lambda done, b=buf: comm.allreduce(b.ptr, b.nbytes, b.numel, b.dtype, a.op, a.factor,
+                                                     a.timeout_s, done)
                  for buf in bufs]
         return self._run(name, tensors, bufs, calls, opts)
 
@@ -60,7 +61,7 @@ class Reduction(CollectiveBase):
             options.check_op(a.op, buf, "tensors[0]")
         comm = self._comm
         return self._run(name, [buf.tensor], [buf], [lambda done: comm.reduce(
-            buf.ptr, buf.numel, buf.dtype, a.op, a.root, a.factor, a.timeout_s, done)], opts)
+            buf.ptr, buf.nbytes, buf.numel, buf.dtype, a.op, a.root, a.factor, a.timeout_s, done)], opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None, timeout=None) -> ShmWork:
         """Reduce ``input_tensors[0][r]`` over all ranks into rank r's ``output_tensors[0]``.
@@ -88,7 +89,7 @@ class Reduction(CollectiveBase):
         comm = self._comm
         src = staging.pack(ins, out.tensor.numel())
         return self._run(name, [out.tensor], [out], [lambda done: comm.reduce_scatter(
-            src.ptr, out.ptr, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
+            src.ptr, src.nbytes, out.ptr, out.nbytes, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
 
     def reduce_scatter_single(self, output, input, opts=None) -> ShmWork:
         """Reduce ``input`` (``world_size * output.numel()`` elements) over all ranks; rank r
@@ -103,7 +104,7 @@ class Reduction(CollectiveBase):
             options.check_op(a.op, out, "output")
         comm = self._comm
         return self._run(name, [output], [out], [lambda done: comm.reduce_scatter(
-            inp.ptr, out.ptr, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
+            inp.ptr, inp.nbytes, out.ptr, out.nbytes, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
 
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> ShmWork:
@@ -118,8 +119,9 @@ class Reduction(CollectiveBase):
                                      f"{self._world_size * out.tensor.numel()} elements, got {inp.tensor.numel()}")
                 options.check_op(a.op, out, f"outputs[{i}]")
         comm = self._comm
-        calls = [lambda done, out=out, inp=inp: comm.reduce_scatter(inp.ptr, out.ptr, out.numel, out.dtype, a.op,
-                                                                    a.factor, a.timeout_s, done)
+        calls = [lambda done, out=out, inp=inp: comm.reduce_scatter(inp.ptr, inp.nbytes, out.ptr, out.nbytes,
+                                                                    out.numel, out.dtype, a.op, a.factor,
+                                                                    a.timeout_s, done)
                  for out, inp in pairs]
         return self._run(name, list(outputs), [out for out, _ in pairs], calls, opts)
 

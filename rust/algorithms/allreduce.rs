@@ -1,0 +1,78 @@
+//! Allreduce through the slots: one-shot for small messages (every rank reduces every
+//! chunk), two-step above [`ONE_SHOT_MAX_BYTES`] (reduce-scatter, then allgather of the
+//! reduced slices; see the `algorithms` module docs).
+
+use super::{chunks, slice_bounds, ALLREDUCE_CMA_FACTOR, CMA_CHUNK_BYTES, ONE_SHOT_MAX_BYTES};
+use crate::desc::{Kind, Transfer};
+use crate::error::Result;
+use crate::group::Communicator;
+use crate::reduce::{reduce_raw, DType, ReduceOp};
+use std::ptr::copy_nonoverlapping;
+
+impl Communicator {
+    /// In-place allreduce of `count` elements at `buf`.
+    ///
+    /// # Safety
+    /// `buf` must be valid for reads and writes of `count` elements of `dtype`, aligned to
+    /// the element size, and not accessed by anything else during the call.
+    pub(crate) unsafe fn allreduce_ptrs(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
+        let red = self.reduction(dtype, op, factor)?;
+        let mut d = self.begin(Kind::Allreduce, dtype, Some(&red), count, 0)?;
+        let es = dtype.size();
+        if self.single_copy((count * es) / ALLREDUCE_CMA_FACTOR) {
+            d.route(Transfer::SingleCopy, CMA_CHUNK_BYTES);
+            // SAFETY: forwarded from this function's contract.
+            return unsafe { self.allreduce_single_copy(buf, count, &red, &d) };
+        }
+        let two_step = self.n >= 2 && count * es > ONE_SHOT_MAX_BYTES;
+        let per = self.seg.slot_bytes() / es;
+        d.route(if two_step { Transfer::SlotsTwoStep } else { Transfer::Slots }, per * es);
+        let mut srcs = vec![std::ptr::null::<u8>(); self.n];
+        for ch in chunks(count, per) {
+            let (off, len) = (ch.off, ch.len);
+            let p = self.next_parity();
+            let mine = self.slot(self.rank, p);
+            let (a, b) = slice_bounds(len, self.n, self.rank);
+            if !two_step {
+                // SAFETY: off + len <= count, so the source range is inside the caller's
+                // buffer; len * es <= slot_bytes, the length of our slot.
+                unsafe { copy_nonoverlapping(buf.add(off * es), mine, len * es) };
+            } else {
+                // Peers read every piece of our chunk except our own slice [a, b), which
+                // we reduce straight from `buf`. SAFETY: as above, both ranges lie in
+                // [0, len) of the chunk.
+                unsafe {
+                    copy_nonoverlapping(buf.add(off * es), mine, a * es);
+                    copy_nonoverlapping(buf.add((off + b) * es), mine.add(b * es), (len - b) * es);
+                }
+            }
+            self.sync(ch.first().then_some(&d))?;
+            for (r, s) in srcs.iter_mut().enumerate() {
+                *s = self.slot(r, p);
+            }
+            if !two_step {
+                // SAFETY: every slot holds `len` elements of step p (published by the
+                // sync above); the output range is inside the caller's buffer.
+                unsafe { reduce_raw(&red, buf.add(off * es), &srcs, len) };
+                continue;
+            }
+            // SAFETY: a <= len, so each offset stays inside its slot / the caller's buffer.
+            let mut sliced: Vec<*const u8> = srcs.iter().map(|s| unsafe { s.add(a * es) }).collect();
+            // SAFETY: off + a <= count.
+            sliced[self.rank] = unsafe { buf.add((off + a) * es) };
+            // SAFETY: [a, b) lies inside the chunk; peers' slots hold it (published by the
+            // sync above), our own slice is read from the caller's buffer; our slot of the
+            // other parity is ours to write now (every rank has left the step that last
+            // read it) and overlaps none of the sources.
+            unsafe { reduce_raw(&red, self.slot(self.rank, 1 - p).add(a * es), &sliced, b - a) };
+            self.sync(None)?;
+            for r in 0..self.n {
+                let (a, b) = slice_bounds(len, self.n, r);
+                // SAFETY: rank r's reduced slice [a, b) of this chunk was published by the
+                // sync above; the destination is inside the caller's buffer.
+                unsafe { copy_nonoverlapping(self.slot(r, 1 - p).add(a * es), buf.add((off + a) * es), (b - a) * es) };
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,251 @@
+//! The collectives, built on the segment's chunk slots and the step protocol of `sync.rs`:
+//! this module holds their public, bounds-checked face, the thresholds that choose an
+//! algorithm, and the chunk iterator every slot algorithm streams through; each family
+//! of slot algorithms is one file below it (`allreduce`, `rooted`: broadcast and reduce,
+//! `gather`: allgather, gather and scatter, `exchange`: reduce-scatter and alltoall),
+//! and the single-copy ones are in `crate::single_copy`.
+//!
+//! Every collective streams its message through the per-rank chunk slots, one chunk per
+//! step (two for the large allreduce), so any message size fits a segment of a fixed size.
+//! The first step of every collective also exchanges a *descriptor* (kind, dtype, count,
+//! reduce op, root, sequence number, and the transfer path and bytes per step the rank
+//! chose, [`Transfer`]): before reading any peer data, each rank compares all
+//! descriptors, so ranks that issued different collectives at the same position of the
+//! group's sequence, ranks that would move the data differently (say, with different
+//! single-copy thresholds), or a rank whose arguments failed validation ([`Communicator::fail`]),
+//! make every rank raise `Mismatch` after that one step. All ranks then have taken the
+//! same number of steps and the group stays usable. A timeout, a dead peer or an interrupt
+//! leaves the ranks at different steps, so it aborts the group for everyone instead.
+//!
+//! Algorithms (n = group size, S = message bytes, per-rank slot of `slot_bytes`):
+//! - allreduce, S <= [`ONE_SHOT_MAX_BYTES`] (or n = 1): one step per chunk: every rank copies its
+//!   chunk into its slot, then reduces all n slots in rank order into its output.
+//! - allreduce, larger: the reduce-scatter + allgather decomposition of ring allreduce
+//!   (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+//!   workstations", JPDC 2009), done directly in shared memory, where every rank can read
+//!   every slot, so the n-1 ring steps of each phase collapse into one: step A, every rank
+//!   copies the pieces of its chunk that its peers reduce into its slot and reduces its own
+//!   1/n slice from the n - 1 peer slots and its own buffer (in rank order) into its other
+//!   slot; step B, every rank copies all n reduced slices out. Each element
+//!   is reduced by exactly one rank in rank order, so all ranks get the same bits.
+//! - allgather / gather: every rank copies its chunk in; all ranks (gather: the root) copy
+//!   all n chunks out. broadcast: the root copies in, the others copy out.
+//! - reduce: as the one-shot allreduce, only the root reduces.
+//! - reduce-scatter / alltoall: each rank copies the chunk of each of its n pieces in;
+//!   rank r reduces (alltoall: copies) piece r from every slot. scatter: the root copies
+//!   the chunk of each piece in, rank r copies piece r out.
+
+mod allreduce;
+mod exchange;
+mod gather;
+mod rooted;
+
+use crate::buffer::Buf;
+use crate::error::{Error, Result};
+use crate::reduce::{DType, ReduceOp};
+use crate::segment;
+use std::path::Path;
+
+pub use crate::desc::{check_peer_desc, Desc, Kind, Transfer};
+pub use crate::group::{AbortHandle, Communicator, InterruptHook, ATTACH_STEPS};
+
+/// Allreduce messages up to this many bytes use the one-shot algorithm. Below it the
+/// second synchronisation of the two-step algorithm costs more than the redundant
+/// reduction it saves (DeepSpeed and vLLM switch in the same range; tune with
+/// `cargo bench` / `python -m flagos_shm.bench`). Above it the two-step algorithm wins
+/// also with 2 ranks, where it copies in and reduces half the chunk: 2 processes, core
+/// alone, 1 MiB float32 SUM, median of 2000 calls: 161 us one-shot, 152 us two-step.
+pub const ONE_SHOT_MAX_BYTES: usize = 256 * 1024;
+
+/// Allgather and reduce-scatter messages of at least this many bytes (the allgather's
+/// output, the reduce-scatter's input) use single-copy transfers (`cma`) when the group
+/// supports them; smaller ones go through the slots, where a synchronisation and a copy
+/// cost less than the system calls. Allreduce switches at [`ALLREDUCE_CMA_FACTOR`] times
+/// this size. Broadcast always uses the slots: its chunks pipeline (the root fills chunk
+/// k + 1 while peers copy chunk k out), which beat one `process_vm_readv` per peer.
+///
+/// Source: `python -m flagos_shm.bench --bind` at world size 2 on our 2-vCPU VMs with
+/// `FLAGOS_SHM_CMA=0` and `1` alternately (median us, slots / single-copy): allgather 42 /
+/// 28 at 256 KiB, 139 / 81 at 1 MiB, 1955 / 1385 at 16 MiB; reduce-scatter 39 / 28 at
+/// 256 KiB, 1876 / 1369 at 16 MiB; allreduce 51 / 60 at 256 KiB, about equal at 1 MiB,
+/// 717 / 602 at 4 MiB, 2761 / 2192 at 16 MiB; broadcast 1358 / 1623 at 16 MiB.
+pub const CMA_MIN_BYTES: usize = 256 * 1024;
+
+/// Allreduce uses single-copy transfers from this multiple of the group's
+/// single-copy threshold (2 MiB by default; see [`CMA_MIN_BYTES`]).
+pub const ALLREDUCE_CMA_FACTOR: usize = 8;
+
+/// Bytes per peer read at a time by the single-copy reductions (64 KiB to 1 MiB measured
+/// within noise of each other).
+pub const CMA_CHUNK_BYTES: usize = 128 * 1024;
+
+/// One chunk of a message streamed through the slots: elements `[off, off + len)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    /// 0 for the first chunk, whose step also exchanges the descriptor.
+    pub index: usize,
+    pub off: usize,
+    pub len: usize,
+}
+
+impl Chunk {
+    /// Whether this chunk's step carries the descriptor (the first one).
+    pub fn first(&self) -> bool {
+        self.index == 0
+    }
+}
+
+/// The chunks of a message of `count` elements, `per` elements per chunk: at least one
+/// (an empty message still takes one step, which exchanges the descriptor), the last one
+/// possibly shorter. The one chunk loop of every slot algorithm.
+pub(crate) fn chunks(count: usize, per: usize) -> impl Iterator<Item = Chunk> {
+    let per = per.max(1);
+    let steps = count.div_ceil(per).max(1);
+    (0..steps).map(move |index| {
+        let off = index * per;
+        Chunk { index, off, len: per.min(count - off.min(count)) }
+    })
+}
+
+impl Communicator {
+    // ----- collectives: the public, bounds-checked face -----------------------------
+    // Each checks every buffer it uses on this rank against what the call moves (see
+    // `Buf::check`) before touching anything. A buffer that is too small (or null,
+    // misaligned, read-only where written) makes this rank join the call's position of
+    // the sequence as a failing rank (peers raise `Mismatch` naming it, as after `fail`)
+    // and return `InvalidArgument` naming the argument; nothing is written.
+
+    /// In-place allreduce of `count` elements of `dtype` in `buf` (`nbytes`).
+    pub fn allreduce(&mut self, buf: Buf<'_>, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
+        self.reduction(dtype, op, factor)?;
+        if let Err(e) = buf.check("nbytes", count, dtype.size(), 1, true) {
+            return self.reject(Kind::Allreduce, e);
+        }
+        // SAFETY: `buf` is valid for reads and writes of its length (`Buf` contract),
+        // which the check above showed holds `count` aligned elements.
+        unsafe { self.allreduce_ptrs(buf.as_mut_ptr(), count, dtype, op, factor) }
+    }
+
+    /// In-place broadcast of `count` elements of `dtype` in `buf` (`nbytes`) from group
+    /// rank `root`: read on the root, written elsewhere.
+    pub fn broadcast(&mut self, buf: Buf<'_>, count: usize, dtype: DType, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        if let Err(e) = buf.check("nbytes", count, dtype.size(), 1, self.rank != root) {
+            return self.reject(Kind::Broadcast, e);
+        }
+        // SAFETY: as in `allreduce`; the root only reads `buf`.
+        unsafe { self.broadcast_ptrs(buf.as_ptr() as *mut u8, count, dtype, root) }
+    }
+
+    /// In-place reduce of `count` elements in `buf` (`nbytes`) to group rank `root`;
+    /// only the root's buffer is written.
+    pub fn reduce(&mut self, buf: Buf<'_>, count: usize, dtype: DType, op: ReduceOp, factor: f64, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        self.reduction(dtype, op, factor)?;
+        if let Err(e) = buf.check("nbytes", count, dtype.size(), 1, self.rank == root) {
+            return self.reject(Kind::Reduce, e);
+        }
+        // SAFETY: as in `allreduce`; non-roots only read `buf`.
+        unsafe { self.reduce_ptrs(buf.as_ptr() as *mut u8, count, dtype, op, factor, root) }
+    }
+
+    /// Allgather: `input` (`in_nbytes`) holds `count` elements; `output` (`out_nbytes`)
+    /// receives `n * count`, rank r's at `[r * count, (r + 1) * count)`. `input` may be
+    /// this rank's piece of `output`.
+    pub fn allgather(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType) -> Result<()> {
+        let es = dtype.size();
+        if let Err(e) = input.check("in_nbytes", count, es, 1, false).and(output.check("out_nbytes", count, es, self.n, true)) {
+            return self.reject(Kind::Allgather, e);
+        }
+        // SAFETY: both buffers are valid for their checked lengths (`Buf` contract).
+        unsafe { self.allgather_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype) }
+    }
+
+    /// Gather to `root`: `input` holds `count` elements; the root's `output` receives
+    /// `n * count` (non-roots may pass an empty `output`, which is not touched).
+    pub fn gather(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        let es = dtype.size();
+        let out_ok = if self.rank == root { output.check("out_nbytes", count, es, self.n, true) } else { Ok(()) };
+        if let Err(e) = input.check("in_nbytes", count, es, 1, false).and(out_ok) {
+            return self.reject(Kind::Gather, e);
+        }
+        // SAFETY: as in `allgather`; non-roots never touch `output`.
+        unsafe { self.gather_ptrs(input.as_ptr(), output.as_ptr() as *mut u8, count, dtype, root) }
+    }
+
+    /// Scatter from `root`: the root's `input` holds `n * count` elements (non-roots may
+    /// pass an empty one); rank r receives piece r in `output` (`count` elements).
+    pub fn scatter(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        let es = dtype.size();
+        let in_ok = if self.rank == root { input.check("in_nbytes", count, es, self.n, false) } else { Ok(()) };
+        if let Err(e) = in_ok.and(output.check("out_nbytes", count, es, 1, true)) {
+            return self.reject(Kind::Scatter, e);
+        }
+        // SAFETY: as in `allgather`; non-roots never touch `input`.
+        unsafe { self.scatter_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype, root) }
+    }
+
+    /// Reduce-scatter: `input` holds `n * count` elements; `output` (`count` elements)
+    /// receives the reduction over ranks of piece `rank`.
+    pub fn reduce_scatter(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
+        self.reduction(dtype, op, factor)?;
+        let es = dtype.size();
+        if let Err(e) = input.check("in_nbytes", count, es, self.n, false).and(output.check("out_nbytes", count, es, 1, true)) {
+            return self.reject(Kind::ReduceScatter, e);
+        }
+        // SAFETY: as in `allgather`.
+        unsafe { self.reduce_scatter_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype, op, factor) }
+    }
+
+    /// All-to-all: `input` and `output` hold `n * count` elements each and must not
+    /// overlap; piece q of this rank's input goes to rank q, and rank q's piece `rank`
+    /// lands in output piece q.
+    pub fn alltoall(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType) -> Result<()> {
+        let es = dtype.size();
+        let mut ok = input.check("in_nbytes", count, es, self.n, false).and(output.check("out_nbytes", count, es, self.n, true));
+        let bytes = count * es * self.n; // no overflow: checked above when `ok`
+        if ok.is_ok() && bytes > 0 {
+            let (i, o) = (input.as_ptr() as usize, output.as_ptr() as usize);
+            if i < o + bytes && o < i + bytes {
+                ok = Err(Error::InvalidArgument("out_ptr: the output of alltoall overlaps its input".into()));
+            }
+        }
+        if let Err(e) = ok {
+            return self.reject(Kind::Alltoall, e);
+        }
+        // SAFETY: as in `allgather`; the ranges do not overlap (checked above).
+        unsafe { self.alltoall_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype) }
+    }
+}
+
+/// Rank `r`'s slice `[a, b)` of a chunk of `len` elements split across `n` ranks; slices
+/// are multiples of 64 elements (whole cache lines for every dtype) except the last.
+pub fn slice_bounds(len: usize, n: usize, r: usize) -> (usize, usize) {
+    let per = len.div_ceil(n).div_ceil(64) * 64;
+    let a = (r * per).min(len);
+    (a, (a + per).min(len))
+}
+
+/// Convenience for tests and benches: creates a segment and attaches all ranks of a
+/// group living in one process (threads as ranks).
+pub fn create_segment(dir: &Path, world_size: usize, slot_bytes: usize) -> Result<std::path::PathBuf> {
+    segment::create(dir, world_size, slot_bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_cover_the_message_once_and_an_empty_one_takes_one_step() {
+        assert_eq!(chunks(0, 8).collect::<Vec<_>>(), vec![Chunk { index: 0, off: 0, len: 0 }]);
+        for (count, per) in [(1, 8), (8, 8), (9, 8), (100, 7), (5, 0)] {
+            let cs: Vec<Chunk> = chunks(count, per).collect();
+            assert!(cs[0].first() && cs.iter().skip(1).all(|c| !c.first()));
+            assert_eq!(cs.iter().map(|c| c.len).sum::<usize>(), count);
+            assert!(cs.windows(2).all(|w| w[0].off + w[0].len == w[1].off));
+        }
+    }
+}

@@ -1,0 +1,74 @@
+//! Broadcast and reduce through the slots: the root copies in and the others copy out
+//! (broadcast), or every rank copies in and the root reduces (reduce), one chunk per step.
+
+use super::chunks;
+use crate::desc::{Kind, Transfer};
+use crate::error::Result;
+use crate::group::Communicator;
+use crate::reduce::{reduce_raw, DType, ReduceOp};
+use std::ptr::copy_nonoverlapping;
+
+impl Communicator {
+    /// In-place broadcast of `count` elements at `buf` from group rank `root`.
+    ///
+    /// # Safety
+    /// `buf`: `count` aligned elements of `dtype`, readable on the root and writable
+    /// elsewhere, not accessed by anything else during the call.
+    pub(crate) unsafe fn broadcast_ptrs(&mut self, buf: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
+        self.check_root(root)?;
+        let mut d = self.begin(Kind::Broadcast, dtype, None, count, root)?;
+        let es = dtype.size();
+        let per = self.seg.slot_bytes() / es;
+        d.route(Transfer::Slots, per * es);
+        for ch in chunks(count, per) {
+            let p = self.next_parity();
+            if self.rank == root {
+                // SAFETY: range inside the caller's buffer; len * es <= slot_bytes.
+                unsafe { copy_nonoverlapping(buf.add(ch.off * es), self.slot(root, p), ch.len * es) };
+            }
+            self.sync(ch.first().then_some(&d))?;
+            if self.rank != root {
+                // SAFETY: the root's slot of step p was published by the sync above; the
+                // destination range is inside the caller's buffer.
+                unsafe { copy_nonoverlapping(self.slot(root, p), buf.add(ch.off * es), ch.len * es) };
+            }
+        }
+        Ok(())
+    }
+
+    /// In-place reduce of `count` elements at `buf` to group rank `root`; only the root's
+    /// buffer is written.
+    ///
+    /// # Safety
+    /// `buf`: `count` aligned elements of `dtype`, readable everywhere and writable on
+    /// the root, not accessed by anything else during the call.
+    pub(crate) unsafe fn reduce_ptrs(
+        &mut self,
+        buf: *mut u8,
+        count: usize,
+        dtype: DType,
+        op: ReduceOp,
+        factor: f64,
+        root: usize,
+    ) -> Result<()> {
+        self.check_root(root)?;
+        let red = self.reduction(dtype, op, factor)?;
+        let mut d = self.begin(Kind::Reduce, dtype, Some(&red), count, root)?;
+        let es = dtype.size();
+        let per = self.seg.slot_bytes() / es;
+        d.route(Transfer::Slots, per * es);
+        for ch in chunks(count, per) {
+            let p = self.next_parity();
+            // SAFETY: range inside the caller's buffer; len * es <= slot_bytes.
+            unsafe { copy_nonoverlapping(buf.add(ch.off * es), self.slot(self.rank, p), ch.len * es) };
+            self.sync(ch.first().then_some(&d))?;
+            if self.rank == root {
+                let srcs: Vec<*const u8> = (0..self.n).map(|r| self.slot(r, p) as *const u8).collect();
+                // SAFETY: every slot of step p holds `len` elements (published by the sync
+                // above); the output range is inside the root's buffer.
+                unsafe { reduce_raw(&red, buf.add(ch.off * es), &srcs, ch.len) };
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,386 @@
+//! The group lifecycle of one rank: [`Communicator`] attaches to the group's segment
+//! (waits for every rank, unlinks the file), probes single-copy transfers, and owns the
+//! step protocol plumbing the collectives share (`begin`, `sync`, descriptor checks);
+//! [`AbortHandle`] aborts the group from another thread. The collectives themselves live
+//! in `algorithms` (slot algorithms) and `single_copy`.
+
+use crate::cma;
+use crate::desc::{check_peer_desc, Desc, Kind, FLAG_FAIL};
+use crate::error::{Error, Result};
+use crate::reduce::{DType, ReduceOp, Reduction};
+use crate::segment::{self, Segment};
+use crate::sync::{self, WaitCtx};
+use std::path::Path;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+/// Steps of the group's sequence that `Communicator::attach` takes in a group of two or
+/// more ranks (the single-copy probe); the first collective's first step is
+/// `ATTACH_STEPS + 1`.
+pub const ATTACH_STEPS: u64 = 2;
+
+/// Interrupt hook: returns `true` to stop waiting (e.g. a pending Ctrl-C in Python).
+pub type InterruptHook = Box<dyn Fn() -> bool + Send + Sync>;
+
+/// One rank's handle on a group's segment. Calls on one communicator are serialised by
+/// `&mut self`; every rank of the group must issue the same collectives in the same order.
+pub struct Communicator {
+    pub(crate) seg: Arc<Segment>,
+    pub(crate) rank: usize,
+    pub(crate) n: usize,
+    /// Steps this rank has arrived at so far.
+    pub(crate) step: u64,
+    /// Collectives issued so far.
+    pub(crate) seq: u64,
+    /// The collective in progress (the last one begun), named in error messages.
+    kind: Kind,
+    timeout: Duration,
+    /// Set after an error that desynchronised the ranks; every later call fails with it.
+    pub(crate) broken: Option<String>,
+    interrupt: Option<InterruptHook>,
+    /// Allgather/reduce-scatter messages of at least this many bytes (allreduce:
+    /// [`crate::algorithms::ALLREDUCE_CMA_FACTOR`] times as many) use single-copy collectives; `usize::MAX`
+    /// when some rank cannot read some peer's memory (probed at attach, agreed by all).
+    cma_min: usize,
+    /// Whether every probe worked (the group can use single-copy transfers at all).
+    cma_ok: bool,
+    /// Per-rank chunk buffers of the single-copy reductions (u64 for alignment).
+    pub(crate) scratch: Vec<u64>,
+}
+
+fn ms(d: Duration) -> String {
+    format!("{:.3} s", d.as_secs_f64())
+}
+
+impl Communicator {
+    /// Maps the segment at `path` as `rank` of `world_size`, waits until all ranks have
+    /// attached (at most `timeout`) and unlinks the file. On any failure the file is
+    /// unlinked too, so nothing is left in the segment directory (but only if it is named
+    /// and owned like a segment: see [`segment::remove_if_segment`]).
+    pub fn attach(path: &Path, rank: usize, world_size: usize, timeout: Duration) -> Result<Communicator> {
+        Self::attach_with(path, rank, world_size, timeout, None, &[])
+    }
+
+    /// [`Self::attach`] with an interrupt hook, checked every few milliseconds while
+    /// waiting for the other ranks (returning `true` stops with `Interrupted`), and the
+    /// process ids of the ranks as far as the caller knows them (`peer_pids[r]`, 0 or
+    /// missing: unknown; the c10d backend learns them through the group's store): a rank
+    /// whose process exits before it attaches fails the wait with `PeerDied` at once
+    /// instead of at the timeout.
+    pub fn attach_with(
+        path: &Path,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        interrupt: Option<&(dyn Fn() -> bool + Sync)>,
+        peer_pids: &[u32],
+    ) -> Result<Communicator> {
+        let unlink_on_err = |e: Error| {
+            segment::remove_if_segment(path);
+            e
+        };
+        if rank >= world_size {
+            return Err(unlink_on_err(Error::InvalidArgument(format!("rank: expected 0..{world_size}, got {rank}"))));
+        }
+        let seg = Segment::open(path, world_size).map_err(unlink_on_err)?;
+        if sync::claim_rank(&seg, rank, std::process::id()) != 0 {
+            return Err(unlink_on_err(Error::InvalidArgument(format!(
+                "rank {rank} of segment {} is already taken by another process",
+                path.display()
+            ))));
+        }
+        sync::count_attached(&seg);
+        let deadline = Instant::now() + timeout;
+        let mut pause = Duration::from_micros(50);
+        loop {
+            let a = sync::attached(&seg);
+            if a >= world_size {
+                break;
+            }
+            if Instant::now() >= deadline {
+                let absent = sync::unattached(&seg);
+                sync::abort(&seg, rank);
+                return Err(unlink_on_err(Error::Timeout(format!(
+                    "setting up shared-memory segment {}: only {a} of {world_size} ranks attached within {} (missing ranks {absent:?})",
+                    path.display(),
+                    ms(timeout)
+                ))));
+            }
+            if interrupt.is_some_and(|hook| hook()) {
+                sync::abort(&seg, rank);
+                return Err(unlink_on_err(Error::Interrupted(format!("setting up shared-memory segment {}", path.display()))));
+            }
+            if let Some(r) = sync::aborted_by(&seg) {
+                // A peer gave up setting up (it saw a rank exit, or timed out, or was interrupted).
+                let absent = sync::unattached(&seg);
+                return Err(unlink_on_err(Error::Aborted(format!(
+                    "setting up shared-memory segment {}: ranks {absent:?} did not attach; rank {r} gave up \
+                     setting up the group (see its error)",
+                    path.display()
+                ))));
+            }
+            let gone: Vec<String> = sync::unattached(&seg)
+                .into_iter()
+                .filter_map(|r| peer_pids.get(r).filter(|&&p| p != 0 && segment::pid_dead(p)).map(|p| format!("rank {r} (pid {p})")))
+                .collect();
+            if !gone.is_empty() {
+                sync::abort(&seg, rank);
+                return Err(unlink_on_err(Error::PeerDied(format!(
+                    "setting up shared-memory segment {}: {} exited before attaching",
+                    path.display(),
+                    gone.join(", ")
+                ))));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(5));
+        }
+        seg.unlink()?;
+        let mut comm = Communicator {
+            seg: Arc::new(seg),
+            rank,
+            n: world_size,
+            step: 0,
+            seq: 0,
+            kind: Kind::Barrier,
+            timeout,
+            broken: None,
+            interrupt: None,
+            cma_min: usize::MAX,
+            cma_ok: false,
+            scratch: Vec::new(),
+        };
+        comm.cma_min = comm.probe_cma()?;
+        comm.cma_ok = comm.cma_min != usize::MAX;
+        Ok(comm)
+    }
+
+    /// The message size in bytes from which single-copy transfers are used (see [`cma`]),
+    /// or `None` when the group cannot use them.
+    pub fn single_copy_min_bytes(&self) -> Option<usize> {
+        (self.cma_min != usize::MAX).then_some(self.cma_min)
+    }
+
+    /// Sets the single-copy threshold (`None`: never use single-copy). Has no effect on a
+    /// group that cannot use single-copy transfers. Every rank of the group must set the
+    /// same value before its next collective (ranks that choose different algorithms
+    /// would deadlock); meant for tests and measurements.
+    pub fn set_single_copy_min_bytes(&mut self, bytes: Option<usize>) {
+        self.cma_min = match bytes {
+            Some(b) if self.cma_ok => b,
+            _ => usize::MAX,
+        };
+    }
+
+    pub(crate) fn single_copy(&self, bytes: usize) -> bool {
+        bytes >= self.cma_min
+    }
+
+    /// Checks, with every rank, that each can read each peer's memory: every rank
+    /// publishes the address and value of a random probe word, reads every peer's word
+    /// with `process_vm_readv` and publishes whether all reads returned the right values
+    /// (which also proves the pid names the right process), together with its own
+    /// threshold (`FLAGOS_SHM_CMA_MIN_BYTES`, default [`crate::algorithms::CMA_MIN_BYTES`]). Two steps of the
+    /// group's sequence; every rank gets the same answer: the largest threshold, or
+    /// `usize::MAX` if any rank failed (or has `FLAGOS_SHM_CMA=0`).
+    fn probe_cma(&mut self) -> Result<usize> {
+        use std::hash::{BuildHasher, Hasher};
+        if self.n == 1 {
+            return Ok(usize::MAX);
+        }
+        let word = Box::new(std::collections::hash_map::RandomState::new().build_hasher().finish() | 1);
+        let seg = Arc::clone(&self.seg);
+        sync::publish_probe(&seg, self.rank, &*word as *const u64 as u64, *word);
+        self.sync(None)?;
+        let mut ok = cma::enabled_by_env();
+        for q in (0..self.n).filter(|&q| q != self.rank) {
+            if !ok {
+                break;
+            }
+            let (pid, addr, expect) = sync::read_probe(&seg, q);
+            let mut got = 0u64;
+            // SAFETY: `got` is a local u64, valid for 8 bytes of writes.
+            ok = unsafe { cma::read(pid, addr, &mut got as *mut u64 as *mut u8, 8) }.is_ok() && got == expect;
+        }
+        let mine = if ok { cma::min_bytes_from_env(crate::algorithms::CMA_MIN_BYTES).max(1) } else { usize::MAX };
+        sync::publish_cma(&seg, self.rank, mine as u64);
+        self.sync(None)?;
+        let agreed = (0..self.n).map(|q| sync::read_cma(&seg, q)).max().unwrap_or(u64::MAX);
+        drop(word); // every peer has read it: they all passed the second step
+        Ok(usize::try_from(agreed).unwrap_or(usize::MAX))
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+    pub fn world_size(&self) -> usize {
+        self.n
+    }
+    pub fn slot_bytes(&self) -> usize {
+        self.seg.slot_bytes()
+    }
+    pub fn segment_len(&self) -> usize {
+        self.seg.len()
+    }
+    pub fn path(&self) -> &Path {
+        self.seg.path()
+    }
+    /// Number of collectives issued so far (the next one's sequence number).
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+    pub fn set_timeout(&mut self, t: Duration) {
+        self.timeout = t;
+    }
+    pub fn set_interrupt(&mut self, hook: Option<InterruptHook>) {
+        self.interrupt = hook;
+    }
+
+    /// A handle that aborts the group from another thread while this communicator is
+    /// busy in a collective.
+    pub fn abort_handle(&self) -> AbortHandle {
+        AbortHandle { seg: Arc::downgrade(&self.seg), rank: self.rank }
+    }
+
+    /// Aborts the group: this and every peer's pending and later calls fail.
+    pub fn abort(&mut self) {
+        sync::abort(&self.seg, self.rank);
+        self.broken.get_or_insert_with(|| format!("the group was aborted by rank {}", self.rank));
+    }
+
+    // ----- protocol plumbing -------------------------------------------------------
+
+    pub(crate) fn next_parity(&self) -> usize {
+        ((self.step + 1) % 2) as usize
+    }
+
+    pub(crate) fn slot(&self, r: usize, p: usize) -> *mut u8 {
+        self.seg.slot(r, p)
+    }
+
+    /// Starts a collective: refuses on a broken group, assigns its sequence number.
+    /// `red` is the reduction of reducing collectives: its op and PREMUL_SUM factor go
+    /// into the descriptor, so ranks must agree on both.
+    pub(crate) fn begin(&mut self, kind: Kind, dtype: DType, red: Option<&Reduction>, count: usize, root: usize) -> Result<Desc> {
+        if let Some(b) = &self.broken {
+            return Err(Error::Aborted(format!("{}: the group is no longer usable: {b}", kind.name())));
+        }
+        if let Some(r) = sync::aborted_by(&self.seg) {
+            self.broken = Some(format!("the group was aborted by rank {r}"));
+            return Err(Error::Aborted(format!("{}: the group was aborted by rank {r}", kind.name())));
+        }
+        let d = Desc {
+            kind: kind as u8,
+            dtype: dtype as u32,
+            op: red.map_or(0, |r| r.op as u32),
+            flags: 0,
+            count: count as u64,
+            root: root as u64,
+            seq: self.seq,
+            factor: red.map_or(0, |r| r.factor.to_bits()),
+            path: 0,
+            chunk: 0,
+        };
+        self.seq += 1;
+        self.kind = kind;
+        Ok(d)
+    }
+
+    /// Arrives at the next step and waits for all ranks. With `desc`, first publishes it
+    /// and afterwards checks every rank's descriptor against it.
+    pub(crate) fn sync(&mut self, desc: Option<&Desc>) -> Result<()> {
+        let step = self.step + 1;
+        let parity = (step % 2) as usize;
+        if let Some(d) = desc {
+            sync::publish_desc(&self.seg, self.rank, parity, d.words());
+        }
+        sync::arrive(&self.seg, self.rank, step);
+        self.step = step;
+        let what = self.kind.name();
+        let ctx = WaitCtx {
+            what,
+            seq: self.seq.saturating_sub(1),
+            deadline: Instant::now() + self.timeout,
+            timeout: self.timeout,
+            interrupt: self.interrupt.as_deref().map(|h| h as &(dyn Fn() -> bool + Sync)),
+        };
+        if let Err(e) = sync::wait_all(&self.seg, step, &ctx) {
+            // The ranks are now at different steps: nobody can continue safely.
+            sync::abort(&self.seg, self.rank);
+            self.broken = Some(e.to_string());
+            return Err(e);
+        }
+        if let Some(d) = desc {
+            self.check_descs(d, parity)?;
+        }
+        Ok(())
+    }
+
+    fn check_descs(&self, mine: &Desc, parity: usize) -> Result<()> {
+        for r in 0..self.n {
+            if r == self.rank {
+                continue;
+            }
+            let words = sync::read_desc(&self.seg, r, parity);
+            check_peer_desc(mine, self.rank, r, words, self.n)?;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn reduction(&self, dtype: DType, op: ReduceOp, factor: f64) -> Result<Reduction> {
+        Reduction::new(dtype, op, factor, self.n)
+    }
+
+    pub(crate) fn check_root(&self, root: usize) -> Result<()> {
+        if root >= self.n {
+            return Err(Error::InvalidArgument(format!("root: expected a group rank in 0..{}, got {root}", self.n)));
+        }
+        Ok(())
+    }
+
+    // ----- the two collectives without data ----------------------------------------
+
+    /// Waits until every rank has called `barrier`.
+    pub fn barrier(&mut self) -> Result<()> {
+        let d = self.begin(Kind::Barrier, DType::U8, None, 0, 0)?;
+        self.sync(Some(&d))
+    }
+
+    /// Joins the next position of the sequence as a rank whose arguments to `kind` were
+    /// invalid: peers raise `Mismatch` naming this rank instead of waiting for it.
+    pub fn fail(&mut self, kind: Option<Kind>) -> Result<()> {
+        let mut d = self.begin(kind.unwrap_or(Kind::Barrier), DType::U8, None, 0, 0)?;
+        d.flags = FLAG_FAIL;
+        self.sync(Some(&d))
+    }
+
+    /// Joins the sequence as a rank that rejected its arguments to `kind` and returns `e`.
+    pub(crate) fn reject(&mut self, kind: Kind, e: Error) -> Result<()> {
+        // Peers learn it at once; if even that fails (group broken, timeout), the
+        // caller's mistake is still the error that matters.
+        let _ = self.fail(Some(kind));
+        Err(e)
+    }
+}
+
+/// Aborts a group without borrowing its communicator; see [`Communicator::abort_handle`].
+/// It holds the segment weakly, so it does not keep the mapping alive once the
+/// communicator is dropped (closing a group unmaps its segment at once).
+#[derive(Clone)]
+pub struct AbortHandle {
+    seg: Weak<Segment>,
+    rank: usize,
+}
+
+impl AbortHandle {
+    /// Marks the group aborted and wakes every waiting rank; their calls fail with
+    /// `Aborted`, and so does every later call on the group. Does nothing once the
+    /// communicator has been dropped.
+    pub fn abort(&self) {
+        if let Some(seg) = self.seg.upgrade() {
+            sync::abort(&seg, self.rank);
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! The single-copy collectives (`process_vm_readv`, see `cma`): allreduce, allgather and
+//! reduce-scatter of large messages. Each publishes the address of its buffer with the
+//! descriptor step, then reads the peers' buffers straight from their processes; a last
+//! step keeps every buffer untouched until all peers have finished reading it. Nothing
+//! goes through the segment's slots.
+
+use crate::algorithms::{slice_bounds, CMA_CHUNK_BYTES};
+use crate::cma;
+use crate::desc::{Desc, Kind};
+use crate::error::{Error, Result};
+use crate::group::Communicator;
+use crate::reduce::{reduce_raw, Reduction};
+use crate::sync;
+use std::ptr::copy_nonoverlapping;
+
+/// Prefixes a single-copy read error with the peer rank it was reading from.
+fn of_rank(q: usize, e: Error) -> Error {
+    match e {
+        Error::PeerDied(m) => Error::PeerDied(format!("ranks [{q}] did not finish: rank {q} exited ({m})")),
+        other => other,
+    }
+}
+
+impl Communicator {
+    /// Publishes `addr` for peers, runs the descriptor step and returns every rank's
+    /// (pid, address).
+    fn publish(&mut self, addr: *const u8, d: &Desc) -> Result<Vec<(u32, u64)>> {
+        sync::publish_addr(&self.seg, self.rank, addr as u64);
+        self.sync(Some(d))?;
+        Ok(sync::peer_addrs(&self.seg))
+    }
+
+    /// Turns a failure in the middle of a single-copy collective into an aborted group:
+    /// the peers are waiting at the next step and must not wait in vain.
+    ///
+    /// A peer that saw the original failure (say, a rank that died) aborts the group and
+    /// may exit before this rank's read from it ends, so the read fails naming that peer:
+    /// the message then leads with the rank that aborted the group and lists every rank
+    /// whose process is gone.
+    fn fail_midway<T>(&mut self, what: Kind, r: Result<T>) -> Result<T> {
+        r.map_err(|e| {
+            let first = sync::aborted_by(&self.seg).filter(|&q| q != self.rank);
+            sync::abort(&self.seg, self.rank);
+            let head = format!("{} #{} (rank {}, step {})", what.name(), self.seq.saturating_sub(1), self.rank, self.step + 1);
+            let gone = sync::exited(&self.seg, 0..self.n);
+            let gone = if gone.is_empty() { String::new() } else { format!("; exited: {}", gone.join(", ")) };
+            let msg = match first {
+                Some(q) => {
+                    format!("{head}: the group was aborted by rank {q} (see its error), then a single-copy transfer failed: {e}{gone}")
+                }
+                None => format!("{head}: single-copy transfer failed: {e}{gone}"),
+            };
+            self.broken = Some(msg.clone());
+            match (first, e) {
+                (None, Error::PeerDied(_)) => Error::PeerDied(msg),
+                _ => Error::Aborted(msg),
+            }
+        })
+    }
+
+    /// Per-rank chunk buffers of `bytes` each, 8-byte aligned.
+    fn chunk_buffers(&mut self, bytes: usize) -> Vec<*mut u8> {
+        let words = bytes.div_ceil(8);
+        if self.scratch.len() < words * self.n {
+            self.scratch = vec![0u64; words * self.n];
+        }
+        let base = self.scratch.as_mut_ptr();
+        // SAFETY: q * words + words <= scratch.len().
+        (0..self.n).map(|q| unsafe { base.add(q * words) } as *mut u8).collect()
+    }
+
+    /// Reduces element range `[a, b)` of every rank's buffer (`addrs[q]` in process q; our
+    /// own at `own`) in rank order into `dst`, `CMA_CHUNK_BYTES` at a time.
+    ///
+    /// # Safety
+    /// `own` readable and `dst` writable for `b - a` elements from their starts; `dst`
+    /// may equal `own` (the kernels read an element of every source before writing it
+    /// when the output is source 0 or 1; for other ranks `own` is copied first).
+    unsafe fn reduce_range_from_peers(
+        &mut self,
+        red: &Reduction,
+        peers: &[(u32, u64)],
+        own: *const u8,
+        dst: *mut u8,
+        a: usize,
+        b: usize,
+    ) -> Result<()> {
+        let es = red.dtype.size();
+        let chunk = (CMA_CHUNK_BYTES / es).max(1);
+        let bufs = self.chunk_buffers(chunk * es);
+        let in_place_ok = self.rank < 2 || !std::ptr::eq(own, dst);
+        let mut srcs = vec![std::ptr::null::<u8>(); self.n];
+        let mut x = a;
+        while x < b {
+            let len = chunk.min(b - x);
+            let off = (x - a) * es;
+            for (q, s) in srcs.iter_mut().enumerate() {
+                if q == self.rank {
+                    // SAFETY: off + len * es <= (b - a) * es, inside `own`; `bufs[q]` holds
+                    // `chunk` elements.
+                    unsafe {
+                        if in_place_ok {
+                            *s = own.add(off);
+                        } else {
+                            copy_nonoverlapping(own.add(off), bufs[q], len * es);
+                            *s = bufs[q];
+                        }
+                    }
+                } else {
+                    let (pid, addr) = peers[q];
+                    // SAFETY: `bufs[q]` is ours and holds `chunk >= len` elements.
+                    unsafe { cma::read(pid, addr.wrapping_add((x * es) as u64), bufs[q], len * es) }.map_err(|e| of_rank(q, e))?;
+                    *s = bufs[q];
+                }
+            }
+            // SAFETY: every source holds `len` elements (above); the destination range is
+            // inside `dst` by this function's contract.
+            unsafe { reduce_raw(red, dst.add(off), &srcs, len) };
+            x += len;
+        }
+        Ok(())
+    }
+
+    /// Single-copy allreduce (the reduce-scatter + allgather decomposition): rank r reduces
+    /// slice r of every rank's buffer into its own buffer, reading the peers' slices from
+    /// their processes; then every rank reads each peer's reduced slice. Each byte crosses
+    /// between processes once per phase, and nothing goes through the segment.
+    ///
+    /// # Safety
+    /// `buf` readable and writable for `count` aligned elements, untouched by anything
+    /// else during the call.
+    pub(crate) unsafe fn allreduce_single_copy(&mut self, buf: *mut u8, count: usize, red: &Reduction, d: &Desc) -> Result<()> {
+        let es = red.dtype.size();
+        let peers = self.publish(buf, d)?;
+        let (a, b) = slice_bounds(count, self.n, self.rank);
+        // SAFETY: a <= count.
+        let own = unsafe { buf.add(a * es) };
+        // SAFETY: [a, b) is inside `buf`; in place is allowed.
+        let r = unsafe { self.reduce_range_from_peers(red, &peers, own, own, a, b) };
+        self.fail_midway(Kind::Allreduce, r)?;
+        self.sync(None)?;
+        let (n, me) = (self.n, self.rank);
+        for q in (0..n).filter(|&q| q != me) {
+            let (qa, qb) = slice_bounds(count, self.n, q);
+            // SAFETY: [qa, qb) is inside `buf`, which is ours to write.
+            let r = unsafe { cma::read(peers[q].0, peers[q].1.wrapping_add((qa * es) as u64), buf.add(qa * es), (qb - qa) * es) }
+                .map_err(|e| of_rank(q, e));
+            self.fail_midway(Kind::Allreduce, r)?;
+        }
+        self.sync(None)
+    }
+
+    /// Single-copy allgather: every rank reads each peer's input into its output.
+    ///
+    /// # Safety
+    /// `input` readable for `bytes`, `output` writable for `n * bytes` (it may contain
+    /// `input` as this rank's piece), untouched by anything else during the call.
+    pub(crate) unsafe fn allgather_single_copy(&mut self, input: *const u8, output: *mut u8, bytes: usize, d: &Desc) -> Result<()> {
+        let peers = self.publish(input, d)?;
+        // SAFETY: the destination is this rank's piece of `output`; it may be `input`
+        // itself (in-place allgather), hence `copy`.
+        unsafe { std::ptr::copy(input, output.add(self.rank * bytes), bytes) };
+        let (n, me) = (self.n, self.rank);
+        for q in (0..n).filter(|&q| q != me) {
+            // SAFETY: piece q of `output` is inside it and ours to write.
+            let r = unsafe { cma::read(peers[q].0, peers[q].1, output.add(q * bytes), bytes) }.map_err(|e| of_rank(q, e));
+            self.fail_midway(Kind::Allgather, r)?;
+        }
+        self.sync(None)
+    }
+
+    /// Single-copy reduce-scatter: rank r reduces piece r of every rank's input.
+    ///
+    /// # Safety
+    /// `input` readable for `n * count` aligned elements, `output` writable for `count`,
+    /// untouched by anything else during the call.
+    pub(crate) unsafe fn reduce_scatter_single_copy(
+        &mut self,
+        input: *const u8,
+        output: *mut u8,
+        count: usize,
+        red: &Reduction,
+        d: &Desc,
+    ) -> Result<()> {
+        let peers = self.publish(input, d)?;
+        let (a, b) = (self.rank * count, (self.rank + 1) * count);
+        // SAFETY: a + count <= n * count.
+        let own = unsafe { input.add(a * red.dtype.size()) };
+        // SAFETY: `own` holds `count` elements, `output` takes `count`.
+        let r = unsafe { self.reduce_range_from_peers(red, &peers, own, output, a, b) };
+        self.fail_midway(Kind::ReduceScatter, r)?;
+        self.sync(None)
+    }
+}

@@ -1,0 +1,85 @@
+"""The core checks its own bounds: every buffer address passed to ``_core.Communicator`` is
+followed by its length in bytes, and a count that does not fit raises ``ValueError`` naming
+the argument, on the calling rank, before anything is written; the peers raise
+``ValueError`` naming that rank, and the group stays usable.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _comm():
+    return dist.distributed_c10d._get_default_group()._comm
+
+
+def rank_short_buffers() -> dict:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    comm = _comm()
+    count = 1000
+    inp = torch.full((n * count,), 7.0)
+    out = torch.full((n * count,), -1.0)
+    es = 4
+    short = (lambda full: full - es) if rank == 1 else (lambda full: full)
+    calls = {
+        "allreduce": lambda: comm.allreduce(out.data_ptr(), short(count * es), count, "float32", 0),
+        "broadcast": lambda: comm.broadcast(out.data_ptr(), short(count * es), count, "float32", 0),
+        "reduce": lambda: comm.reduce(out.data_ptr(), short(count * es), count, "float32", 0, 1),
+        "allgather": lambda: comm.allgather(inp.data_ptr(), count * es, out.data_ptr(), short(n * count * es),
+                                            count, "float32"),
+        "reduce_scatter": lambda: comm.reduce_scatter(inp.data_ptr(), short(n * count * es), out.data_ptr(),
+                                                      count * es, count, "float32", 0),
+        "gather": lambda: comm.gather(inp.data_ptr(), count * es, out.data_ptr() if rank == 1 else 0,
+                                      short(n * count * es) if rank == 1 else 0, count, "float32", 1),
+        "scatter": lambda: comm.scatter(inp.data_ptr() if rank == 1 else 0, short(n * count * es) if rank == 1 else 0,
+                                        out.data_ptr(), count * es, count, "float32", 1),
+        "alltoall": lambda: comm.alltoall(inp.data_ptr(), n * count * es, out.data_ptr(), short(n * count * es),
+                                          count, "float32"),
+    }
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
+    untouched = bool(torch.all(out == -1.0)) and bool(torch.all(inp == 7.0))
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)
+    return {"errors": errors, "untouched": untouched, "after": t.tolist()}
+
+
+def test_too_short_nbytes_raises_value_error_naming_the_argument_and_writes_nothing(worlds, backend):
+    if backend != "flagos_shm":
+        pytest.skip("drives flagos_shm's core directly")
+    results = worlds(2).run(rank_short_buffers)
+    names = {"allreduce": "nbytes", "broadcast": "nbytes", "reduce": "nbytes", "allgather": "out_nbytes",
+             "reduce_scatter": "in_nbytes", "gather": "out_nbytes", "scatter": "in_nbytes",
+             "alltoall": "out_nbytes"}
+    for name, arg in names.items():
+        err = results[1]["errors"][name]
+        assert err is not None and err.startswith(f"{arg}: ") and "too small" in err, (name, err)
+        peer = results[0]["errors"][name]
+        assert peer is not None and "rank 1 rejected its arguments" in peer, (name, peer)
+    for rank, res in enumerate(results):
+        assert res["untouched"], f"rank {rank}: a refused call wrote memory"
+        assert res["after"] == [3.0] * 4, (rank, res)
+
+
+def rank_null_with_bytes() -> str:
+    try:
+        _comm().allreduce(0, 16, 4, "float32", 0)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_null_address_with_bytes_is_refused_before_the_call(worlds, backend):
+    if backend != "flagos_shm":
+        pytest.skip("drives flagos_shm's core directly")
+    for msg in worlds(1).run(rank_null_with_bytes):
+        assert msg.startswith("ptr: null buffer address"), msg
