@@ -307,9 +307,10 @@ impl Communicator {
             interrupt: self.interrupt.as_deref().map(|h| h as &(dyn Fn() -> bool + Sync)),
         };
         if let Err(e) = sync::wait_all(&self.seg, step, &ctx) {
-            // The ranks are now at different steps: nobody can continue safely.
+            // The ranks are now at different steps: nobody can continue safely. Later calls
+            // quote the cause and say that the group was aborted (as the peers are told).
             sync::abort(&self.seg, self.rank);
-            self.broken = Some(e.to_string());
+            self.broken = Some(format!("{e}; rank {} aborted the group", self.rank));
             return Err(e);
         }
         if let Some(d) = desc {
