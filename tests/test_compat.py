@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from flagos_shm import _compat
-from flagos_shm.backend import PREMUL_SUM, _reduce_op
+from flagos_shm.backend.options import PREMUL_SUM
+from flagos_shm.backend.options import reduce_op as _reduce_op
 
 
 @pytest.mark.parametrize("text, want", [
