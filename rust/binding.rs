@@ -539,6 +539,21 @@ impl PyCommunicator {
         !self.owned() || py.detach(|| self.inner.is_closed())
     }
 
+    /// The progress thread of asynchronous calls: `(running, parked, wakeups)`: started and
+    /// not yet joined by `close`; blocked with nothing to do; times it woke from that wait.
+    /// An idle thread sleeps without polling, so `wakeups` stays put while nothing is
+    /// submitted (tests check this instead of measuring CPU time).
+    #[getter]
+    fn progress_thread(&self, py: Python<'_>) -> (bool, bool, u64) {
+        if !self.owned() {
+            return (false, false, 0);
+        }
+        py.detach(|| {
+            let (parked, wakeups) = self.inner.thread_parked();
+            (self.inner.thread_running(), parked, wakeups)
+        })
+    }
+
     fn __repr__(&self) -> String {
         format!("Communicator(rank={}, world_size={}, slot_bytes={}, path={:?})", self.rank, self.world_size, self.slot_bytes, self.path)
     }

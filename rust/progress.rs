@@ -68,6 +68,10 @@ struct State {
     /// `close` found work queued or running: jobs that have not started yet complete
     /// with [`SHUT_DOWN`] instead of running.
     cancelled: bool,
+    /// The progress thread is blocked on the condition variable with nothing to do.
+    parked: bool,
+    /// Times the progress thread returned from that wait (an idle thread does not).
+    wakeups: u64,
 }
 
 /// The error of a job that `close` found still queued.
@@ -158,7 +162,10 @@ impl Shared {
                             return;
                         }
                     }
+                    st.parked = true;
                     st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+                    st.parked = false;
+                    st.wakeups += 1;
                 }
             };
             self.execute(job);
@@ -185,6 +192,8 @@ impl Progress {
                     busy: false,
                     closing: false,
                     cancelled: false,
+                    parked: false,
+                    wakeups: 0,
                 }),
                 changed: Condvar::new(),
             }),
@@ -293,6 +302,19 @@ impl Progress {
                 .expect("spawning the flagos_shm progress thread");
             *thread = Some(handle);
         }
+    }
+
+    /// Whether the progress thread has been started and not yet joined by [`Progress::close`].
+    pub fn thread_running(&self) -> bool {
+        lock(&self.thread).is_some()
+    }
+
+    /// Whether the progress thread is blocked, idle, on its condition variable, and how many
+    /// times it has returned from that wait so far: an idle thread sleeps without waking
+    /// (no polling), so the count stays put while nothing is submitted.
+    pub fn thread_parked(&self) -> (bool, u64) {
+        let st = lock(&self.shared.state);
+        (st.parked, st.wakeups)
     }
 
     /// Number of submitted jobs that have not started yet.
