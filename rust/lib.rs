@@ -9,6 +9,7 @@
 pub mod algorithms;
 pub mod cma;
 pub mod error;
+pub mod p2p;
 pub mod progress;
 pub mod reduce;
 pub mod segment;
