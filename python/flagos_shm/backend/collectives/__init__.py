@@ -7,6 +7,7 @@ puts it in front of ``dist.ProcessGroup`` (torch < 2.14) and
 
 * :mod:`.base`: group state, ordering of calls, validation, the inline/async path;
 * :mod:`.reduction`: allreduce (and coalesced), reduce, reduce-scatter (three forms);
+* :mod:`.sparse`: allreduce of sparse COO tensors (SUM), as Gloo does it;
 * :mod:`.allgather`: allgather (four forms) and gather;
 * :mod:`.broadcast`: broadcast and scatter;
 * :mod:`.alltoall`: all_to_all_single and alltoall;
@@ -26,9 +27,10 @@ from .base import CollectiveBase
 from .broadcast import OneToAll
 from .p2p import PointToPoint
 from .reduction import Reduction
+from .sparse import SparseReduction
 
 __all__ = ["Collectives", "CollectiveBase"]
 
 
-class Collectives(PointToPoint, Reduction, Gathering, OneToAll, AllToAll, Barrier):
+class Collectives(PointToPoint, SparseReduction, Reduction, Gathering, OneToAll, AllToAll, Barrier):
     """Every flagos_shm collective (see the module docstring); set up with ``_setup``."""
