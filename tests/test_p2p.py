@@ -441,3 +441,51 @@ def test_timeout_names_the_peer():
     r0 = spawn(spawned_timeout, 2, timeout=90)[0]
     assert "group rank 1" in r0["recv"] and "timeout" in r0["recv"], r0
     assert 1.5 < r0["recv_s"] < 10, r0
+
+
+def rank_ctrl_c_in_recv() -> dict:
+    """Rank 0 blocks in recv from rank 1, which sends only 1.5 s later; SIGINT after 0.3 s:
+    KeyboardInterrupt on rank 0, the pair's channel aborted, so rank 1's late send raises
+    RuntimeError naming group rank 0 instead of waiting for the timeout."""
+    import signal
+    import threading
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    g = dist.new_group([0, 1])
+    out = {}
+    try:
+        if rank == 0:
+            previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+            timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
+            t0 = time.monotonic()
+            try:
+                timer.start()
+                dist.recv(torch.empty(4), 1, group=g)
+                out["recv"] = "no error"
+            except KeyboardInterrupt:
+                out["recv"] = "KeyboardInterrupt"
+            finally:
+                timer.join()
+                signal.signal(signal.SIGINT, previous)
+            out["took"] = time.monotonic() - t0
+        elif rank == 1:
+            time.sleep(1.5)
+            t0 = time.monotonic()
+            try:
+                dist.send(torch.ones(4), 0, group=g)
+                out["send"] = "no error"
+            except RuntimeError as exc:
+                out["send"] = str(exc)
+            out["took"] = time.monotonic() - t0
+        dist.barrier()
+    finally:
+        dist.destroy_process_group(g)
+    return out
+
+
+def test_ctrl_c_in_recv_aborts_the_pair(worlds, route_env):
+    r0, r1 = worlds(2, **route_env).run(rank_ctrl_c_in_recv, timeout=CALL_TIMEOUT_S)
+    assert r0["recv"] == "KeyboardInterrupt" and r0["took"] < 5, r0
+    assert "group rank 0" in r1["send"] and "aborted" in r1["send"] and r1["took"] < 5, r1
