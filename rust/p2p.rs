@@ -860,6 +860,21 @@ mod tests {
 
     const T: Duration = Duration::from_secs(20);
 
+    fn send(c: &Channel, data: &[u8], tag: i64, t: Duration) -> Result<()> {
+        // SAFETY: `data` is a live slice of `data.len()` bytes, borrowed for the call.
+        unsafe { c.send(data.as_ptr(), data.len(), tag, t) }
+    }
+
+    fn recv(c: &Channel, out: &mut [u8], tag: i64, t: Duration) -> Result<()> {
+        // SAFETY: `out` is a live, exclusively borrowed slice of `out.len()` bytes.
+        unsafe { c.recv(out.as_mut_ptr(), out.len(), tag, t) }
+    }
+
+    fn try_recv(c: &Channel, out: &mut [u8], tag: i64, t: Duration) -> Result<bool> {
+        // SAFETY: as in `recv`.
+        unsafe { c.try_recv(out.as_mut_ptr(), out.len(), tag, t) }
+    }
+
     #[test]
     fn streams_any_size_in_order_per_tag() {
         let (_d, a, b) = pair(2, 4096);
@@ -869,14 +884,14 @@ mod tests {
         let tx = std::thread::spawn(move || {
             for (i, m) in sent.iter().enumerate() {
                 // tags: 0, 1, 0, 1, ... (the receiver asks for tag 1 first)
-                unsafe { a.send(m.as_ptr(), m.len(), (i % 2) as i64, T) }.unwrap();
+                send(&a, m, (i % 2) as i64, T).unwrap();
             }
         });
         // All tag-1 messages first, then tag 0: tag-0 ones are stashed, order kept per tag.
         let order: Vec<usize> = (0..sizes.len()).filter(|i| i % 2 == 1).chain((0..sizes.len()).filter(|i| i % 2 == 0)).collect();
         for i in order {
             let mut out = vec![0xAAu8; sizes[i]];
-            unsafe { b.recv(out.as_mut_ptr(), out.len(), (i % 2) as i64, T) }.unwrap();
+            recv(&b, &mut out, (i % 2) as i64, T).unwrap();
             assert_eq!(out, msgs[i], "message {i}");
         }
         tx.join().unwrap();
@@ -888,16 +903,16 @@ mod tests {
         let a2 = Arc::clone(&a);
         let tx = std::thread::spawn(move || {
             let big = vec![1u8; 10_000];
-            let e = unsafe { a2.send(big.as_ptr(), big.len(), 3, T) }.unwrap_err();
+            let e = send(&a2, &big, 3, T).unwrap_err();
             assert!(matches!(e, Error::Mismatch(_)) && e.to_string().contains("expects 16 bytes"), "{e}");
             let ok = [9u8; 5];
-            unsafe { a2.send(ok.as_ptr(), 5, 3, T) }.unwrap();
+            send(&a2, &ok, 3, T).unwrap();
         });
         let mut out = [0u8; 16];
-        let e = unsafe { b.recv(out.as_mut_ptr(), 16, 3, T) }.unwrap_err();
+        let e = recv(&b, &mut out, 3, T).unwrap_err();
         assert!(matches!(e, Error::Mismatch(_)) && e.to_string().contains("sent 10000 bytes"), "{e}");
         let mut five = [0u8; 5];
-        unsafe { b.recv(five.as_mut_ptr(), 5, 3, T) }.unwrap();
+        recv(&b, &mut five, 3, T).unwrap();
         assert_eq!(five, [9u8; 5]);
         tx.join().unwrap();
     }
@@ -907,11 +922,11 @@ mod tests {
         let (_d, a, b) = pair(1, 4096);
         let t0 = Instant::now();
         let x = [0u8; 8];
-        let e = unsafe { a.send(x.as_ptr(), 8, 0, Duration::from_millis(100)) }.unwrap_err();
+        let e = send(&a, &x, 0, Duration::from_millis(100)).unwrap_err();
         assert!(matches!(e, Error::Timeout(_)) && e.to_string().contains("rank 1"), "{e}");
         assert!(t0.elapsed() < Duration::from_secs(5));
         // The failed send left the ring half-used: later sends say so at once.
-        let e = unsafe { a.send(x.as_ptr(), 8, 0, T) }.unwrap_err();
+        let e = send(&a, &x, 0, T).unwrap_err();
         assert!(e.to_string().contains("unusable"), "{e}");
         // A receive waiting on the peer ends when the peer aborts.
         let b2 = Arc::clone(&b);
@@ -919,8 +934,8 @@ mod tests {
             let mut y = [0u8; 8];
             // The stale message of the failed send is matched first (8 bytes, tag 0); a
             // second receive then waits until the abort.
-            unsafe { b2.recv(y.as_mut_ptr(), 8, 0, T) }.unwrap();
-            unsafe { b2.recv(y.as_mut_ptr(), 8, 0, T) }.unwrap_err()
+            recv(&b2, &mut y, 0, T).unwrap();
+            recv(&b2, &mut y, 0, T).unwrap_err()
         });
         std::thread::sleep(Duration::from_millis(50));
         a.abort();
@@ -932,10 +947,10 @@ mod tests {
     fn try_recv_does_not_block_and_open_checks_the_file() {
         let (d, a, b) = pair(2, 4096);
         let mut y = [0u8; 4];
-        assert!(!unsafe { b.try_recv(y.as_mut_ptr(), 4, 0, T) }.unwrap());
+        assert!(!try_recv(&b, &mut y, 0, T).unwrap());
         let a2 = Arc::clone(&a);
-        let tx = std::thread::spawn(move || unsafe { a2.send([1u8, 2, 3, 4].as_ptr(), 4, 0, T) }.unwrap());
-        while !unsafe { b.try_recv(y.as_mut_ptr(), 4, 0, T) }.unwrap() {
+        let tx = std::thread::spawn(move || send(&a2, &[1u8, 2, 3, 4], 0, T).unwrap());
+        while !try_recv(&b, &mut y, 0, T).unwrap() {
             std::thread::yield_now();
         }
         assert_eq!(y, [1, 2, 3, 4]);

@@ -141,9 +141,9 @@ def rank_any_source() -> dict:
     irecv(src=None); contents (which encode the sender) and reported senders match.
 
     On the per-device route torch wraps the backend's work in a holder that forwards only
-    wait() and get_future(), so ``_source_rank()`` (which ``dist.recv`` reads) raises
-    torch's "sourceRank() may only be called ..." there: the data arrives, the sender is
-    then read from the content and ``reported`` says whether torch could report it."""
+    wait() and get_future(), so without flagos_shm's shim of ``ProcessGroup.recv_anysource``
+    ``_source_rank()`` (which ``dist.recv`` reads) would raise torch's "sourceRank() may
+    only be called ..." (the sender is also read from the content to tell)."""
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -314,10 +314,7 @@ def test_isend_irecv_large_both_ways_and_batch_ring(worlds, route_env, world_siz
 def test_recv_any_source_reports_the_sender(worlds, route_env):
     res = worlds(3, **route_env).run(rank_any_source, timeout=CALL_TIMEOUT_S)[0]
     assert res["senders"] == [1, 1, 2, 2]
-    if route_env:  # ProcessGroupShm: torch reads _source_rank() from flagos_shm's own work
-        assert res["reported"], res
-    else:  # a known limit of torch's per-device route (see rank_any_source, docs/p2p.md)
-        assert res["reported"] or res["unreported"], res
+    assert res["reported"], res
 
 
 def test_size_mismatch_raises_on_both_ranks_and_pair_stays_usable(worlds, route_env):

@@ -33,7 +33,7 @@ from typing import Optional
 
 import torch
 
-from ... import _core, staging
+from ... import _compat, _core, staging
 from ...work import ShmWork
 from .. import options
 from ..config import segment_config
@@ -104,7 +104,6 @@ class _Mailbox:
         self.group_name = group._group_name
         self.pids = list(getattr(group, "_pids", None) or [0] * self.world_size)
         self.segment_id = os.path.basename(group._comm.path)
-        self.timeout = lambda: group._timeout_s
         self.channels: dict = {}
         self.lock = threading.Lock()
         self.connecting: dict = {}  # peer -> lock held while connecting
@@ -228,6 +227,41 @@ class _Mailbox:
         _live.discard(self)
 
 
+def _install_source_rank_shim() -> None:
+    """Let ``dist.recv(src=None)`` / ``irecv(src=None)._source_rank()`` report the sender on
+    torch's per-device route.
+
+    There torch wraps a Python backend's work in ``PyWorkHolder``, which forwards only
+    ``wait()`` and ``get_future()``, so ``_source_rank()`` raises even though the backend
+    knows the sender. ``ProcessGroup.recv_anysource`` (what ``dist.irecv`` calls) is
+    therefore wrapped: when the tensor's device is served by a flagos_shm backend, that
+    backend's ``recv_anysource`` is called directly and its :class:`P2PWork` (which has
+    ``_source_rank``) returned; every other group and device goes to torch's method as
+    before. A ``ProcessGroupShm`` overrides the method itself and is not affected.
+    """
+    from torch._C import _distributed_c10d as c10d
+
+    cls = c10d.ProcessGroup
+    original = cls.recv_anysource
+    if getattr(original, "_flagos_shm_shim", False):
+        return
+
+    def recv_anysource(self, tensors, tag=0):
+        backend = None
+        if isinstance(tensors, (list, tuple)) and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
+            try:
+                backend = self._get_backend(tensors[0].device)
+            except (RuntimeError, ValueError):
+                backend = None
+        if isinstance(backend, PointToPoint):
+            return backend.recv_anysource(tensors, tag)
+        return original(self, tensors, tag)
+
+    recv_anysource._flagos_shm_shim = True
+    recv_anysource.__doc__ = original.__doc__
+    cls.recv_anysource = recv_anysource
+
+
 class PointToPoint(CollectiveBase):
     """send / recv / recv_anysource of a group (see the module docstring)."""
 
@@ -345,3 +379,7 @@ class PointToPoint(CollectiveBase):
         if box is not None:
             box.close()
         super().shutdown()
+
+
+if _compat.HAS_PY_BACKEND:
+    _install_source_rank_shim()
