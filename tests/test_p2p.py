@@ -210,7 +210,7 @@ def rank_back_pressure() -> dict:
         time.sleep(0.3)
         early = w.is_completed()
         w.wait()
-        return {"early": early, "took": time.monotonic() - t0}
+        return {"early": early, "took": time.monotonic() - t0, "completed": w.is_completed()}
     if rank == 1:
         time.sleep(0.5)
         out = torch.empty(1 << 20)
@@ -326,7 +326,7 @@ def test_size_mismatch_raises_on_both_ranks_and_pair_stays_usable(worlds, route_
 
 def test_slow_receiver_holds_the_sender_back(worlds):
     r0, r1 = worlds(2).run(rank_back_pressure, timeout=CALL_TIMEOUT_S)
-    assert r1["ok"] and r0["early"] is False and r0["took"] >= 0.4, (r0, r1)
+    assert r1["ok"] and r0["early"] is False and r0["took"] >= 0.4 and r0["completed"], (r0, r1)
 
 
 def test_subgroups_use_group_ranks(worlds, route_env):

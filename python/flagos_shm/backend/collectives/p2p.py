@@ -227,39 +227,46 @@ class _Mailbox:
         _live.discard(self)
 
 
-def _install_source_rank_shim() -> None:
-    """Let ``dist.recv(src=None)`` / ``irecv(src=None)._source_rank()`` report the sender on
-    torch's per-device route.
+def _install_work_shim() -> None:
+    """On torch's per-device route, let ``dist.isend``/``irecv``/``send``/``recv`` get
+    flagos_shm's own work back, so that ``is_completed()`` and ``_source_rank()`` work.
 
     There torch wraps a Python backend's work in ``PyWorkHolder``, which forwards only
-    ``wait()`` and ``get_future()``, so ``_source_rank()`` raises even though the backend
-    knows the sender. ``ProcessGroup.recv_anysource`` (what ``dist.irecv`` calls) is
-    therefore wrapped: when the tensor's device is served by a flagos_shm backend, that
-    backend's ``recv_anysource`` is called directly and its :class:`P2PWork` (which has
-    ``_source_rank``) returned; every other group and device goes to torch's method as
-    before. A ``ProcessGroupShm`` overrides the method itself and is not affected.
+    ``wait()`` and ``get_future()``: ``is_completed()`` stays False after ``wait()`` and
+    ``_source_rank()`` (which ``dist.recv(src=None)`` reads) raises, although the backend
+    knows both. ``ProcessGroup.send``/``recv``/``recv_anysource`` (what ``dist.isend`` and
+    ``dist.irecv`` call) are therefore wrapped: when the tensor's device is served by a
+    flagos_shm backend, that backend is called directly and its :class:`P2PWork` returned;
+    every other group and device goes to torch's method unchanged. A ``ProcessGroupShm``
+    overrides these methods itself and is not affected.
     """
     from torch._C import _distributed_c10d as c10d
 
     cls = c10d.ProcessGroup
-    original = cls.recv_anysource
-    if getattr(original, "_flagos_shm_shim", False):
-        return
 
-    def recv_anysource(self, tensors, tag=0):
-        backend = None
-        if isinstance(tensors, (list, tuple)) and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
-            try:
-                backend = self._get_backend(tensors[0].device)
-            except (RuntimeError, ValueError):
-                backend = None
-        if isinstance(backend, PointToPoint):
-            return backend.recv_anysource(tensors, tag)
-        return original(self, tensors, tag)
+    def wrap(name: str) -> None:
+        original = getattr(cls, name)
+        if getattr(original, "_flagos_shm_shim", False):
+            return
 
-    recv_anysource._flagos_shm_shim = True
-    recv_anysource.__doc__ = original.__doc__
-    cls.recv_anysource = recv_anysource
+        def method(self, tensors, *args):
+            backend = None
+            if isinstance(tensors, (list, tuple)) and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
+                try:
+                    backend = self._get_backend(tensors[0].device)
+                except (RuntimeError, ValueError):
+                    backend = None
+            if isinstance(backend, PointToPoint):
+                return getattr(backend, name)(tensors, *args)
+            return original(self, tensors, *args)
+
+        method._flagos_shm_shim = True
+        method.__name__ = name
+        method.__doc__ = original.__doc__
+        setattr(cls, name, method)
+
+    for name in ("send", "recv", "recv_anysource"):
+        wrap(name)
 
 
 class PointToPoint(CollectiveBase):
@@ -382,4 +389,4 @@ class PointToPoint(CollectiveBase):
 
 
 if _compat.HAS_PY_BACKEND:
-    _install_source_rank_shim()
+    _install_work_shim()
