@@ -486,3 +486,23 @@ def test_ctrl_c_in_recv_aborts_the_pair(worlds, route_env):
     r0, r1 = worlds(2, **route_env).run(rank_ctrl_c_in_recv, timeout=CALL_TIMEOUT_S)
     assert r0["recv"] == "KeyboardInterrupt" and r0["took"] < 5, r0
     assert "group rank 0" in r1["send"] and "aborted" in r1["send"] and r1["took"] < 5, r1
+
+
+def test_channel_geometry_from_environment(monkeypatch):
+    from flagos_shm import _core
+    from flagos_shm.backend.collectives.p2p import ENV_P2P_SLOT_BYTES, ENV_P2P_SLOTS, p2p_geometry
+
+    monkeypatch.delenv(ENV_P2P_SLOTS, raising=False)
+    monkeypatch.delenv(ENV_P2P_SLOT_BYTES, raising=False)
+    assert p2p_geometry() == (4, 64 << 10)
+    assert _core.P2PChannel.segment_bytes(4, 64 << 10) == 4096 + 2 * 4 * (64 << 10)  # docs/p2p.md
+    monkeypatch.setenv(ENV_P2P_SLOT_BYTES, "1000")
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        p2p_geometry()
+    monkeypatch.setenv(ENV_P2P_SLOT_BYTES, "lots")
+    with pytest.raises(ValueError, match=ENV_P2P_SLOT_BYTES):
+        p2p_geometry()
+    monkeypatch.setenv(ENV_P2P_SLOT_BYTES, "8192")
+    monkeypatch.setenv(ENV_P2P_SLOTS, "0")
+    with pytest.raises(ValueError, match="slots"):
+        p2p_geometry()
