@@ -131,10 +131,10 @@ const _: () = assert!(6 * LINE <= PAGE);
 
 /// Checks a slot count and slot size; the message names the bad one.
 pub fn check_geometry(slots: usize, slot_bytes: usize) -> Result<()> {
-    if slots == 0 || slots > MAX_SLOTS {
+    if !(1..=MAX_SLOTS).contains(&slots) {
         return Err(Error::InvalidArgument(format!("p2p slots: expected 1..={MAX_SLOTS}, got {slots}")));
     }
-    if slot_bytes < PAGE || slot_bytes > MAX_SLOT_BYTES || slot_bytes % PAGE != 0 {
+    if !(PAGE..=MAX_SLOT_BYTES).contains(&slot_bytes) || slot_bytes % PAGE != 0 {
         return Err(Error::InvalidArgument(format!(
             "p2p slot_bytes: expected a multiple of {PAGE} between {PAGE} and {MAX_SLOT_BYTES}, got {slot_bytes}"
         )));

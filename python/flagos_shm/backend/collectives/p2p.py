@@ -18,8 +18,12 @@ completes when the matching receive has taken the message (as with Gloo and NCCL
 receive of another size raises ``ValueError`` on both ranks; a dead or closing peer, an
 abort, the group's timeout or Ctrl-C in ``Work.wait()`` raise ``RuntimeError`` naming the
 peer. Device tensors are staged through pinned host memory like the collectives' tensors
-(:mod:`flagos_shm.staging`): a send reads the tensor when it is issued, a receive writes it
-back on the stream current at the call.
+(:mod:`flagos_shm.staging`): a send copies a device tensor out when it is issued, a receive
+writes it back on the stream current at the call.
+
+On torch's per-device route ``import flagos_shm`` wraps ``ProcessGroup.send``/``recv``/
+``recv_anysource`` so that ``dist.isend``/``irecv`` get this module's :class:`P2PWork`
+back (see :func:`_install_work_shim`). Memory cost and limits: ``docs/p2p.md``.
 """
 
 from __future__ import annotations
