@@ -7,7 +7,8 @@
 //! lengths) → [`group`] (a rank's communicator: attach, probe, step plumbing) →
 //! [`algorithms`] (the collectives' checked face and the slot algorithms) and
 //! [`single_copy`] (the `process_vm_readv` algorithms) → [`progress`] (a per-group thread
-//! for asynchronous calls) → `binding` (PyO3, feature `python`).
+//! for asynchronous calls); [`p2p`] (point-to-point channels between two ranks) →
+//! `binding` (PyO3, feature `python`).
 
 pub mod algorithms;
 pub mod buffer;
@@ -15,6 +16,7 @@ pub mod cma;
 pub mod desc;
 pub mod error;
 pub mod group;
+pub mod p2p;
 pub mod progress;
 pub mod reduce;
 pub mod segment;

@@ -288,7 +288,7 @@ pub fn pid_dead(pid: u32) -> bool {
 
 /// Takes an exclusive `flock` on `file` without waiting; `false` if another open file
 /// description holds a lock on it.
-fn try_lock_exclusive(file: &File) -> bool {
+pub(crate) fn try_lock_exclusive(file: &File) -> bool {
     // SAFETY: plain syscall on an fd we own.
     unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) == 0 }
 }
@@ -306,7 +306,7 @@ pub fn release_creator_lock(path: &Path) {
     locks.retain(|(p, _)| p != path);
 }
 
-fn hold_creator_lock(path: &Path, file: File) {
+pub(crate) fn hold_creator_lock(path: &Path, file: File) {
     CREATOR_LOCKS.lock().unwrap_or_else(|p| p.into_inner()).push((path.to_path_buf(), file));
 }
 

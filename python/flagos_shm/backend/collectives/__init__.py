@@ -7,10 +7,12 @@ puts it in front of ``dist.ProcessGroup`` (torch < 2.14) and
 
 * :mod:`.base`: group state, ordering of calls, validation, the inline/async path;
 * :mod:`.reduction`: allreduce (and coalesced), reduce, reduce-scatter (three forms);
+* :mod:`.sparse`: allreduce of sparse COO tensors (SUM), as Gloo does it;
 * :mod:`.allgather`: allgather (four forms) and gather;
 * :mod:`.broadcast`: broadcast and scatter;
 * :mod:`.alltoall`: all_to_all_single and alltoall;
-* :mod:`.barrier`: barrier and monitored_barrier.
+* :mod:`.barrier`: barrier and monitored_barrier;
+* :mod:`.p2p`: send, recv and recv_anysource (per-pair channels, their own worker threads).
 
 Method names and arguments follow ``torch._C._distributed_c10d.ProcessGroup`` /
 ``Backend`` (torch 2.13 spellings; the ProcessGroup adapter adds the older aliases).
@@ -23,24 +25,12 @@ from .alltoall import AllToAll
 from .barrier import Barrier
 from .base import CollectiveBase
 from .broadcast import OneToAll
+from .p2p import PointToPoint
 from .reduction import Reduction
+from .sparse import SparseReduction
 
 __all__ = ["Collectives", "CollectiveBase"]
 
 
-class Collectives(Reduction, Gathering, OneToAll, AllToAll, Barrier):
+class Collectives(PointToPoint, SparseReduction, Reduction, Gathering, OneToAll, AllToAll, Barrier):
     """Every flagos_shm collective (see the module docstring); set up with ``_setup``."""
-
-
-    def _no_p2p(self, name: str):
-        raise NotImplementedError(f"flagos_shm does not implement point-to-point {name}; "
-                                  "use collectives, or another backend (e.g. gloo) for send/recv")
-
-    def send(self, tensors, dstRank, tag=0):
-        self._no_p2p("send")
-
-    def recv(self, tensors, srcRank, tag=0):
-        self._no_p2p("recv")
-
-    def recv_anysource(self, tensors, tag=0):
-        self._no_p2p("recv_anysource")

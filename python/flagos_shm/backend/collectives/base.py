@@ -127,6 +127,7 @@ class CollectiveBase:
             path, pids = rendezvous(store, rank, world_size, timeout_s)
         except RuntimeError as exc:  # a store wait timed out, a rank exited, or rank 0 failed to create
             raise options.with_context(exc, f"{where}: setting up: {exc}") from exc
+        self._pids = list(pids)  # group rank -> process id (0 unknown), for point-to-point
         try:
             self._comm = _core.Communicator(path, rank, world_size, timeout_s, pids)
         except FileNotFoundError as exc:  # the others removed it: they gave up before we attached
