@@ -403,3 +403,46 @@ def test_disagreement_across_nodes_raises_everywhere_and_the_group_stays_usable(
         assert res["invalid"] == ("TypeError" if rank == 2 else "ValueError"), (rank, res)
         assert res["after"] == [6.0] * 5, (rank, res)
         assert res["torn_down"], (rank, res)
+
+
+# ==== device tensors (the emulated flagos device) ==================================================
+
+
+def device_rank(rank: int, world_size: int, tmp: str) -> dict:
+    import flagos_shm.emulation
+
+    flagos_shm.emulation.enable()
+    part = _init(rank, world_size)
+    dev = torch.device("flagos", rank % 2)
+    bad = []
+    n = world_size
+    x = torch.full((1000,), float(rank + 1), device=dev)
+    dist.all_reduce(x)
+    if not torch.equal(x.cpu(), torch.full((1000,), float(n * (n + 1) / 2))):
+        bad.append(f"allreduce: {x.cpu()[:4].tolist()}")
+    h = (torch.arange(6, dtype=torch.bfloat16) * (rank + 1)).to(dev)
+    w = dist.all_reduce(h, op=dist.ReduceOp.AVG, async_op=True)
+    w.wait()
+    want = (torch.arange(6, dtype=torch.float32) * sum(range(1, n + 1)) / n).to(torch.bfloat16)
+    if not torch.equal(h.cpu(), want):
+        bad.append(f"allreduce bf16 AVG: {h.cpu().tolist()} != {want.tolist()}")
+    b = torch.arange(5, device=dev) if rank == 3 else torch.zeros(5, dtype=torch.int64, device=dev)
+    dist.broadcast(b, 3)
+    if not torch.equal(b.cpu(), torch.arange(5)):
+        bad.append(f"broadcast: {b.cpu().tolist()}")
+    out = torch.empty(n * 3, device=dev)
+    dist.all_gather_into_tensor(out, torch.full((3,), float(rank), device=dev))
+    if not torch.equal(out.cpu(), torch.arange(n).float().repeat_interleave(3)):
+        bad.append(f"allgather: {out.cpu().tolist()}")
+    nodes = part._comm.nodes
+    dist.destroy_process_group()
+    return {"bad": bad, "nodes": nodes}
+
+
+def test_device_tensors_on_two_nodes():
+    """flagos (emulated) tensors are staged to host memory once; the Gloo step works on it."""
+    results = spawn(device_rank, 4, env=GLOO_ENV, timeout=SPAWN_DEADLINE_S,
+                    rank_env={r: {"FLAGOS_SHM_NODE_ID": k} for r, k in enumerate("aabb")})
+    for rank, res in enumerate(results):
+        assert res["nodes"] == [[0, 1], [2, 3]], res
+        assert not res["bad"], (rank, res["bad"])

@@ -462,15 +462,19 @@ class HierarchicalComm:
                 return
             part = work * factor if op == PREMUL_SUM and not multi else work
             rows = self._allgather_rows(part, t)
-            result = rows[0].clone()
-            for k in range(1, rows.shape[0]):
-                _combine(result, rows[k], SUM if op in (AVG, PREMUL_SUM) else op)
+            # combined in node order, straight into x where no conversion follows
+            result = x if acc == x.dtype and op != AVG else torch.empty_like(rows[0])
+            inter_op = SUM if op in (AVG, PREMUL_SUM) else op
+            (_BOOL_OPS if acc == torch.bool else _FLOAT_OPS)[inter_op](rows[0], rows[1], out=result)
+            for k in range(2, rows.shape[0]):
+                _combine(result, rows[k], inter_op)
             if op == AVG:
                 if result.dtype.is_floating_point:
                     result.div_(torch.tensor(self._n, dtype=result.dtype))
                 else:
                     result = torch.div(result, self._n, rounding_mode="trunc")
-            x.copy_(result)
+            if result is not x:
+                x.copy_(result)
 
         def post() -> None:
             self.local.broadcast(x.data_ptr(), numel, dtype, 0, t)
