@@ -255,9 +255,29 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) 
     """
     deadline = time.monotonic() + timeout_s
     base = publish_pid(store, rank, world_size)
+    # Group rank 0 creates and publishes the whole group's segment at once, as if the group
+    # were on one node (the usual case), so that its peers find it when they have every
+    # identity; it is removed if the group turns out to span nodes. A failure to create it
+    # is reported once the layout is known (on several nodes each segment is smaller).
+    early, early_error = None, None
+    if rank == 0:
+        try:
+            directory, slot_bytes = segment_config()
+        except Exception as exc:
+            store.set(f"{base}/segment", f"{_STORE_ERROR}{type(exc).__name__}: {exc}")
+            raise
+        try:
+            early = _core.create_segment(directory, world_size, slot_bytes)
+            store.set(f"{base}/segment", early)
+        except Exception as exc:  # noqa: BLE001  raised below if the group is on one node
+            early_error = exc
     watch = _Watch(store, base, rank, world_size, _parse_peer(json.dumps(identity())))
-    _store_wait(store, [_pid_key(base, r) for r in range(world_size)], deadline,
-                "waiting for every rank's process id in the store", watch)
+    try:
+        _store_wait(store, [_pid_key(base, r) for r in range(world_size)], deadline,
+                    "waiting for every rank's process id in the store", watch)
+    except BaseException:
+        _remove(early)
+        raise
     watch.read()
     peers = [watch.peers[r] for r in range(world_size)]
     keys = [_node_key(p) for p in peers]
@@ -269,7 +289,14 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) 
         leader = mine[0]
         seg_key = f"{base}/segment" if attempt == 0 and len(groups) == 1 else f"{base}/{attempt}/segment/{leader}"
         path = None
-        if rank == leader:
+        if rank == 0 and attempt == 0 and len(groups) == 1:  # one node: the segment made at once
+            if early_error is not None:
+                store.set(seg_key, f"{_STORE_ERROR}{type(early_error).__name__}: {early_error}")
+                raise early_error
+            path = early
+        elif rank == leader:
+            _remove(early)
+            early = None
             try:
                 directory, slot_bytes = segment_config()
                 path = _core.create_segment(directory, len(mine), slot_bytes)
