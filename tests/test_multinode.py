@@ -15,6 +15,7 @@ second's).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -446,3 +447,44 @@ def test_device_tensors_on_two_nodes():
     for rank, res in enumerate(results):
         assert res["nodes"] == [[0, 1], [2, 3]], res
         assert not res["bad"], (rank, res["bad"])
+
+
+# ==== a rank that dies while a multi-node group is set up ==========================================
+
+
+def setup_death_rank(rank: int, world_size: int, tmp: str, victim: int) -> dict:
+    """``victim`` exits just before attaching to its node's segment; the others try to set
+    the group up and run one allreduce."""
+    if rank == victim:
+        from flagos_shm import _core
+
+        def die(*args, **kwargs):
+            os._exit(3)
+        _core.Communicator = die
+    res = {"error": None}
+    t0 = time.monotonic()
+    try:
+        _init(rank, world_size)
+        x = torch.ones(4)
+        dist.all_reduce(x)
+    except Exception as exc:  # noqa: BLE001
+        res["error"] = f"{type(exc).__name__}: {exc}"[:400]
+    res["elapsed"] = time.monotonic() - t0
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+    return res
+
+
+@pytest.mark.parametrize("victim", [3, 1])
+def test_rank_dying_during_multi_node_set_up_fails_every_rank_at_once(victim):
+    """Its node notices through the process id; it publishes the failure in the store, so the
+    other node's leader stops waiting for the Gloo connection, and that leader's abort stops
+    its node's ranks (before: the leaders waited the whole timeout in Gloo's connect)."""
+    results = spawn(setup_death_rank, 4, env=GLOO_ENV, args=(victim,), timeout=SPAWN_DEADLINE_S,
+                    rank_env={r: {"FLAGOS_SHM_NODE_ID": k} for r, k in enumerate("aabb")}, may_die=(victim,))
+    for rank, res in enumerate(results):
+        if rank == victim:
+            continue
+        print(f"set-up victim {victim}: rank {rank} raised after {res['elapsed']:.2f} s: {res['error']}")
+        assert res["error"] is not None, (rank, res)
+        assert res["elapsed"] < 10.0, (rank, res)

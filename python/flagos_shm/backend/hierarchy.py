@@ -45,6 +45,7 @@ import collections
 import ctypes
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -58,7 +59,7 @@ from torch._C._distributed_c10d import (
 )
 
 from .. import staging
-from . import options
+from . import options, rendezvous
 from .collectives.base import attach
 
 __all__ = ["HierarchicalComm"]
@@ -208,14 +209,28 @@ class HierarchicalComm:
         self._seq = 0
         self._all: Optional[ProcessGroupGloo] = None
         self._leaders: Optional[ProcessGroupGloo] = None
-        self.local = attach(layout, timeout_s, where)
+        try:
+            self.local = attach(layout, timeout_s, where)
+        except BaseException as exc:  # e.g. a rank of this node exited: the other nodes learn it at once
+            rendezvous.publish_failure(store, layout.base, rank, exc)
+            raise
         try:
             if self.leader:
-                self._leaders = ProcessGroupGloo(dist.PrefixStore(f"{layout.base}/gloo-leaders", store), layout.node,
+                # Every node attached before the leaders connect (Gloo's own connect would wait
+                # for a leader that gave up until the store's timeout).
+                base = layout.base
+                store.set(f"{base}/leader-ready/{layout.node}", "1")
+                rendezvous.wait_keys(store, [f"{base}/leader-ready/{k}" for k in range(len(layout.nodes))],
+                                     time.monotonic() + timeout_s, "waiting for every node to attach",
+                                     dict, base)
+                self._leaders = ProcessGroupGloo(dist.PrefixStore(f"{base}/gloo-leaders", store), layout.node,
                                                  len(layout.nodes), timedelta(seconds=timeout_s))
-        except BaseException:
+        except BaseException as exc:
+            rendezvous.publish_failure(store, layout.base, rank, exc)
             self.local.abort()
             self.local.close()
+            if isinstance(exc, RuntimeError):
+                raise options.with_context(exc, f"{where}: setting up: {exc}") from exc
             raise
         self._worker = _Worker(f"flagos_shm-hierarchy-{rank}")
 

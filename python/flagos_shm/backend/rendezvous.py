@@ -93,20 +93,25 @@ def _describe(peer: dict) -> str:
             + (f", FLAGOS_SHM_NODE_ID={peer['node']!r}" if peer.get("node") else ""))
 
 
-def _store_wait(store: dist.Store, keys, deadline: float, what: str, watch: Callable[[], dict]) -> None:
+def _store_wait(store: dist.Store, keys, deadline: float, what: str, watch: Callable[[], dict],
+                failure: Optional[str] = None) -> None:
     """Wait until every key of ``keys`` is in ``store``, polling, at most until ``deadline``.
 
     ``watch()`` returns the ranks whose processes must stay alive meanwhile (rank -> pid);
     one that exits fails the wait at once instead of at the deadline. It is called again
     at every poll, so ranks that publish their process id while this waits are watched
-    from then on.
+    from then on. ``failure``: a key under which any rank that gave up setting the group
+    up says why (:func:`publish_failure`); its appearance fails the wait at once too.
 
     Raises:
-        RuntimeError: a watched rank exited, or the deadline passed (both name ``what``).
+        RuntimeError: a watched rank exited, a rank gave up, or the deadline passed (each
+            names ``what``).
     """
     keys = [keys] if isinstance(keys, str) else list(keys)
     pause = _POLL_FIRST_S
     while keys and not store.check(keys):
+        if failure is not None and store.check([failure]):
+            raise RuntimeError(f"{what}: {_get_all(store, [failure])[0]}")
         gone = [f"group rank {r} (pid {pid})" for r, pid in watch().items() if _core.process_exited(pid)]
         if gone:
             raise RuntimeError(f"{what}: {', '.join(gone)} exited")
@@ -116,6 +121,13 @@ def _store_wait(store: dist.Store, keys, deadline: float, what: str, watch: Call
             raise RuntimeError(f"{what}: not there within the group's timeout (missing {', '.join(missing)})")
         time.sleep(min(pause, left))
         pause = min(2 * pause, _POLL_MAX_S)
+
+
+def wait_keys(store: dist.Store, keys: list, deadline: float, what: str, watch: Callable[[], dict],
+              base: str) -> None:
+    """:func:`_store_wait` for the later set-up steps of incarnation ``base`` (fails at once
+    when a rank has published a failure)."""
+    _store_wait(store, keys, deadline, what, watch, failure_key(base))
 
 
 def _get_all(store: dist.Store, keys: list) -> list:
@@ -137,6 +149,22 @@ def publish_pid(store: dist.Store, rank: int, world_size: int) -> str:
     base = f"flagos_shm/{incarnation}"
     store.set(_pid_key(base, rank), json.dumps(identity()))
     return base
+
+
+def failure_key(base: str) -> str:
+    """The store key under which a rank that gave up setting up incarnation ``base`` says why."""
+    return f"{base}/failed"
+
+
+def publish_failure(store: dist.Store, base: str, rank: int, exc: BaseException) -> None:
+    """Tell the other ranks, through ``store``, that this rank gave up setting the group up
+    (best effort; the first reason published stays)."""
+    key = failure_key(base)
+    try:
+        if not store.check([key]):
+            store.set(key, f"group rank {rank} gave up setting up the group ({type(exc).__name__}: {exc})")
+    except Exception:  # noqa: BLE001  the store may be gone too; the caller raises its own error
+        pass
 
 
 def _pid_key(base: str, rank: int) -> str:
@@ -255,6 +283,16 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) 
     """
     deadline = time.monotonic() + timeout_s
     base = publish_pid(store, rank, world_size)
+    try:
+        return _find_nodes(store, rank, world_size, base, deadline)
+    except BaseException as exc:
+        publish_failure(store, base, rank, exc)
+        raise
+
+
+def _find_nodes(store: dist.Store, rank: int, world_size: int, base: str, deadline: float) -> Layout:
+    """The body of :func:`rendezvous`, after this rank has published its identity."""
+    failure = failure_key(base)
     # Group rank 0 creates and publishes the whole group's segment at once, as if the group
     # were on one node (the usual case), so that its peers find it when they have every
     # identity; it is removed if the group turns out to span nodes. A failure to create it
@@ -274,7 +312,7 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) 
     watch = _Watch(store, base, rank, world_size, _parse_peer(json.dumps(identity())))
     try:
         _store_wait(store, [_pid_key(base, r) for r in range(world_size)], deadline,
-                    "waiting for every rank's process id in the store", watch)
+                    "waiting for every rank's process id in the store", watch, failure)
     except BaseException:
         _remove(early)
         raise
@@ -307,7 +345,7 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) 
         try:
             if rank != leader:
                 _store_wait(store, seg_key, deadline, f"waiting for group rank {leader}'s segment path in the store",
-                            lambda leader=leader: watch([leader]))
+                            lambda leader=leader: watch([leader]), failure)
                 value = _get_all(store, [seg_key])[0]
                 if value.startswith(_STORE_ERROR):
                     what = "group rank 0" if leader == 0 else f"group rank {leader} (this node's first rank)"
@@ -317,7 +355,8 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) 
                 store.set(f"{base}/{attempt}/probe/{rank}", _probe(path))
             members = [r for g in groups.values() for r in g[1:]]
             probe_keys = [f"{base}/{attempt}/probe/{r}" for r in members]
-            _store_wait(store, probe_keys, deadline, "waiting for the other ranks to open their node's segment", watch)
+            _store_wait(store, probe_keys, deadline, "waiting for the other ranks to open their node's segment", watch,
+                        failure)
             verdicts = dict(zip(members, _get_all(store, probe_keys)))
             failed = {r: v for r, v in verdicts.items() if v != _OK}
             if not failed:
