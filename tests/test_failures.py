@@ -592,9 +592,14 @@ def test_full_tmpfs_after_creation_does_not_sigbus(worlds, tmp_path, small_tmpfs
 
 def test_segment_larger_than_the_filesystem_fails_at_creation(tmp_path):
     """Without mounting anything: a group whose segment exceeds the whole of /dev/shm (1 GiB
-    slots, enough ranks) fails on group rank 0 before any peer is needed, with OSError naming
-    the path, the bytes needed and the bytes free; no file is left."""
+    slots, enough ranks) fails on group rank 0 as soon as the peers have published their
+    identities (here: copies of rank 0's, so that they are on its node), before any peer
+    attaches, with OSError naming the path, the bytes needed and the bytes free; no file is
+    left."""
+    import json
+
     from flagos_shm import ProcessGroupShm, _core
+    from flagos_shm.backend import rendezvous
 
     shm = "/dev/shm"
     if not os.path.isdir(shm):
@@ -608,7 +613,11 @@ def test_segment_larger_than_the_filesystem_fails_at_creation(tmp_path):
     before = faults.segments_in(shm)
     with faults.env_override(FLAGOS_SHM_DIR=shm, FLAGOS_SHM_SLOT_BYTES=slot):
         with pytest.raises(OSError) as info:
-            ProcessGroupShm(dist.HashStore(), 0, n, timeout=5)
+            store = dist.HashStore()
+            store.add("flagos_shm/rendezvous", n - 1)  # the other ranks have joined incarnation 0
+            for r in range(1, n):
+                store.set(f"flagos_shm/0/pid/{r}", json.dumps(rendezvous.identity()))
+            ProcessGroupShm(store, 0, n, timeout=5)
     msg = str(info.value)
     assert f"{shm}/{faults.SEGMENT_PREFIX}" in msg and f"{needed} bytes" in msg and "bytes free in /dev/shm" in msg, msg
     assert set(faults.segments_in(shm)) <= set(before)

@@ -134,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=2,
                    help="world size: number of local ranks to start (default 2); ignored "
                         "under torchrun")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="simulate this many nodes on this machine (FLAGOS_SHM_NODE_ID set per rank, "
+                        "contiguous blocks of ranks; Gloo over loopback between them): flagos_shm runs "
+                        "hierarchically, gloo flat over the same ranks (default 1)")
     p.add_argument("--ops", default=",".join(OPS),
                    help=f"comma-separated subset of {','.join(OPS)} (default: all)")
     p.add_argument("--sizes", default=None,
@@ -963,6 +967,9 @@ def worker(args, argv: Sequence[str]) -> int:
     if args.bind:
         _launch.bind_to_cpu(local_rank)
     plan.world_size = world_size  # (importing this module imported flagos_shm: backend registered)
+    if args.nodes > 1:  # read when the flagos_shm group is created (backend/rendezvous.py)
+        os.environ["FLAGOS_SHM_NODE_ID"] = f"bench-node-{rank * args.nodes // world_size}"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
     timeout = timedelta(seconds=args.timeout)
     notes: List[str] = []
@@ -986,6 +993,10 @@ def worker(args, argv: Sequence[str]) -> int:
         if device.type != "cpu" and "gloo" in groups:
             notes.append(f"--device {plan.device}: gloo cannot take {device.type} tensors; gloo "
                          f"was measured on CPU tensors, flagos_shm on {device.type} tensors")
+        if args.nodes > 1:
+            notes.append(f"--nodes {args.nodes}: {args.nodes} nodes simulated on one machine with "
+                         "FLAGOS_SHM_NODE_ID (Gloo over loopback between them): flagos_shm is hierarchical "
+                         "(shared memory in each node, Gloo among the node leaders), gloo is flat")
         cases = plan.cases()
         copy_sizes = sorted({size for _, _, _, size in cases})
         if rank == 0:
@@ -1048,7 +1059,8 @@ def worker(args, argv: Sequence[str]) -> int:
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": command_line(argv),
         "machine": machine_info() | {"cpus_allowed": len(cpus) if cpus else None},
-        "config": {"world_size": world_size, "ops": plan.ops, "sizes_requested": plan.sizes,
+        "config": {"world_size": world_size, "simulated_nodes": args.nodes, "ops": plan.ops,
+                   "sizes_requested": plan.sizes,
                    "dtypes": plan.dtypes, "backends": plan.backends, "device": str(plan.device),
                    "bind": plan.bind, "iters": plan.iters, "warmup": plan.warmup,
                    "intra_op_threads": torch.get_num_threads(),

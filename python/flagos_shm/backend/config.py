@@ -16,6 +16,10 @@ Variables:
     FLAGOS_SHM_EXTEND_GLOO: ``0`` leaves ``backend="gloo"`` groups exactly as torch makes
         them; by default (torch >= 2.14) they also serve the PrivateUse1 device through
         flagos_shm (:mod:`flagos_shm.backend.device_map`).
+    FLAGOS_SHM_NODE_ID: the node this rank is on, replacing the detected identity (host
+        name, boot id and IPC namespace): ranks with equal values share one segment, ranks
+        with different values talk through Gloo (:mod:`flagos_shm.backend.hierarchy`).
+        Ranks given one value must still share ``FLAGOS_SHM_DIR``, or set-up fails at once.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ ENV_ASYNC = "FLAGOS_SHM_ASYNC"
 ENV_ROUTE = "FLAGOS_SHM_ROUTE"
 ENV_EXTEND_GLOO = "FLAGOS_SHM_EXTEND_GLOO"
 ENV_FLIGHT_RECORDER = "FLAGOS_SHM_FLIGHT_RECORDER"
+ENV_NODE_ID = "FLAGOS_SHM_NODE_ID"
 DEFAULT_DIR = "/dev/shm"
 ROUTES = ("auto", "backend", "process_group")
 
@@ -57,6 +62,11 @@ def flight_recorder() -> bool:
     """``FLAGOS_SHM_FLIGHT_RECORDER`` (default off): whether torch's generic flight-recorder
     hook may record flagos_shm's collectives."""
     return _flag(ENV_FLIGHT_RECORDER, False)
+
+
+def node_id() -> str:
+    """``FLAGOS_SHM_NODE_ID``: this rank's node, or ``""`` (unset: detected at set-up)."""
+    return os.environ.get(ENV_NODE_ID, "").strip()
 
 
 def route() -> str:

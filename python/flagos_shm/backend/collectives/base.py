@@ -18,7 +18,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Callable, Optional, Sequence
+from collections.abc import Sequence
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -78,6 +79,23 @@ def _overlap(a: list, b: list) -> bool:
     return any(da == db and sa < eb and sb < ea for da, sa, ea in a for db, sb, eb in b)
 
 
+def attach(layout, timeout_s: float, where: str):
+    """Attach a core ``Communicator`` to this rank's node segment of ``layout``.
+
+    Raises:
+        RuntimeError, ValueError: attaching failed (the message names ``where`` and the path).
+    """
+    path = layout.path
+    try:
+        return _core.Communicator(path, layout.local_rank, layout.local_size, timeout_s, layout.pids)
+    except FileNotFoundError as exc:  # the others removed it: they gave up before we attached
+        raise RuntimeError(f"{where}: attaching to {path}: the segment is gone: the other ranks gave up "
+                           "setting up the group before this rank attached (a rank exited, or the timeout "
+                           f"passed) ({exc})") from exc
+    except (RuntimeError, ValueError) as exc:
+        raise type(exc)(f"{where}: attaching to {path}: {exc}") from exc
+
+
 class CollectiveBase:
     """Group state and the per-call path (see the module docstring). Not a c10d class on
     its own: the adapters mix it into ``dist.ProcessGroup`` or ``c10d.Backend``."""
@@ -98,7 +116,8 @@ class CollectiveBase:
         Args:
             store: the group's store (private to the group; c10d passes a ``PrefixStore``).
             rank: this process's group rank, ``0 <= rank < world_size``.
-            world_size: number of ranks in the group (all on this node).
+            world_size: number of ranks in the group (on one node or several: see
+                :mod:`flagos_shm.backend.rendezvous` and :mod:`flagos_shm.backend.hierarchy`).
             timeout: the group's timeout (``timedelta`` or seconds) for attaching and for
                 each collective unless its options give another one.
             group_name: the c10d group name, used in error messages.
@@ -123,19 +142,20 @@ class CollectiveBase:
         timeout_s = options.timeout_seconds(timeout) or default_pg_timeout.total_seconds()
         self._timeout_s = timeout_s
         where = f"flagos_shm group {group_name!r} (rank {rank}/{world_size})"
+        self._where = where
         try:
-            path, pids = rendezvous(store, rank, world_size, timeout_s)
+            layout = rendezvous(store, rank, world_size, timeout_s)
         except RuntimeError as exc:  # a store wait timed out, a rank exited, or rank 0 failed to create
             raise options.with_context(exc, f"{where}: setting up: {exc}") from exc
-        self._pids = list(pids)  # group rank -> process id (0 unknown), for point-to-point
-        try:
-            self._comm = _core.Communicator(path, rank, world_size, timeout_s, pids)
-        except FileNotFoundError as exc:  # the others removed it: they gave up before we attached
-            raise RuntimeError(f"{where}: attaching to {path}: the segment is gone: the other ranks gave up "
-                               "setting up the group before this rank attached (a rank exited, or the timeout "
-                               f"passed) ({exc})") from exc
-        except (RuntimeError, ValueError) as exc:
-            raise type(exc)(f"{where}: attaching to {path}: {exc}") from exc
+        self._layout = layout
+        # group rank -> process id (0 unknown), for point-to-point
+        self._pids = [int(peer.get("pid", 0)) for peer in layout.peers]
+        if layout.single_node:
+            self._comm = attach(layout, timeout_s, where)
+        else:  # the group spans nodes: shared memory inside each, Gloo between them
+            from ..hierarchy import HierarchicalComm
+
+            self._comm = HierarchicalComm(store, layout, rank, world_size, timeout_s, where)
 
     def set_timeout(self, timeout) -> None:
         """Set the default timeout of later collectives (``timedelta`` or seconds > 0).

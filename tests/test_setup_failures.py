@@ -1,0 +1,105 @@
+"""Set-up failures that used to wait the whole group timeout (issue 11, item 4).
+
+(a) A rank that has published its process id and dies before attaching: every rank must
+    notice at once (the process ids are all known before anyone attaches).
+(b) A rank that cannot open its node's segment (another /dev/shm): every rank raises at once
+    an error naming that rank and the likely cause (it publishes the cause in the store).
+(c) Ranks of one node in different PID namespaces: detected at set-up, named on every rank.
+
+Each test uses a group timeout of :data:`GROUP_TIMEOUT_S` and asserts detection well under
+it (:data:`DETECT_S`); the measured times are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+from namespaces import needs_unshare, private_shm_namespace
+from spawn import spawn
+
+GROUP_TIMEOUT_S = 60.0
+DETECT_S = 10.0
+DEADLINE_S = 120.0
+
+
+def setup_rank(rank: int, world_size: int, tmp: str, mode: str) -> dict:
+    """Create a group of ``world_size`` ranks; report the error (if any) and when it came.
+
+    ``mode="die-before-attach"``: rank 1 joins 1 s late (after rank 0 has created the
+    segment) and exits just before attaching."""
+    import flagos_shm
+    from flagos_shm import _core
+
+    if mode == "die-before-attach" and rank == 1:
+        time.sleep(1.0)
+
+        def die(*args, **kwargs):
+            with open(os.path.join(tmp, "died"), "w") as f:
+                json.dump(time.time(), f)
+            os._exit(3)
+        _core.Communicator = die
+    res = {"error": None, "pid": os.getpid()}
+    t0 = time.monotonic()
+    try:
+        dist.init_process_group("flagos_shm", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        x = flagos_shm.backend.shm_part(dist.group.WORLD)
+        res["comm"] = type(x._comm).__name__
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001
+        res["error"] = f"{type(exc).__name__}: {exc}"
+    res["elapsed"] = time.monotonic() - t0
+    died = os.path.join(tmp, "died")
+    if res["error"] is not None and os.path.exists(died):
+        with open(died) as f:
+            res["latency"] = time.time() - json.load(f)  # from the victim's exit to this rank's error
+    return res
+
+
+def test_rank_dying_after_publishing_its_pid_is_noticed_at_once(tmp_path):
+    results = spawn(setup_rank, 2, args=("die-before-attach",), timeout=DEADLINE_S, may_die=(1,))
+    assert results[1] is None
+    res = results[0]
+    print(f"(a) rank 0 raised {res.get('latency', -1):.3f} s after rank 1 exited ({res['elapsed']:.2f} s after "
+          f"it started setting up): {res['error']}")
+    assert res["error"] is not None and "exited" in res["error"], res
+    assert "rank 1" in res["error"], res
+    assert res["elapsed"] < DETECT_S and res["latency"] < DETECT_S, res
+
+
+@needs_unshare
+def test_rank_that_cannot_open_the_segment_fails_every_rank_at_once():
+    """Rank 1 has another /dev/shm but FLAGOS_SHM_NODE_ID says it is on rank 0's node."""
+    with private_shm_namespace() as (prefix, leftovers):
+        results = spawn(setup_rank, 2, args=("plain",), timeout=DEADLINE_S, wrap={1: prefix},
+                        env={"FLAGOS_SHM_NODE_ID": "same-node"})
+        assert leftovers() == []
+    for rank, res in enumerate(results):
+        print(f"(b) rank {rank} raised after {res['elapsed']:.2f} s: {res['error']}")
+        assert res["error"] is not None, (rank, res)
+        assert res["elapsed"] < DETECT_S, (rank, res)
+        msg = res["error"]
+        assert "group rank 1" in msg and "cannot open" in msg and "FileNotFoundError" in msg, msg
+        assert "/dev/shm" in msg and "mount namespace" in msg, msg
+
+
+@needs_unshare
+def test_ranks_in_different_pid_namespaces_are_detected_at_set_up():
+    results = spawn(setup_rank, 2, args=("plain",), timeout=DEADLINE_S,
+                    wrap={1: ["unshare", "-p", "-f", "--mount-proc"]})
+    for rank, res in enumerate(results):
+        print(f"(c) rank {rank} raised after {res['elapsed']:.2f} s: {res['error']}")
+        assert res["error"] is not None, (rank, res)
+        assert res["elapsed"] < DETECT_S, (rank, res)
+        msg = res["error"]
+        assert "PID namespace" in msg and "group rank 1" in msg and "group rank 0" in msg, msg
+    assert results[1]["pid"] == 1  # it really ran in its own PID namespace
+
+
+if __name__ == "__main__":
+    pytest.main([__file__, "-s", "-q"])
