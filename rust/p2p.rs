@@ -45,6 +45,8 @@
 
 use crate::buffer::Buf;
 use crate::error::{Error, Result};
+use crate::segment::random_hex;
+use crate::sync::{futex_wait, futex_wake};
 use memmap2::{MmapOptions, MmapRaw};
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
@@ -147,24 +149,6 @@ pub fn check_geometry(slots: usize, slot_bytes: usize) -> Result<()> {
 /// at most a page plus 2 * MAX_SLOTS * MAX_SLOT_BYTES for a checked geometry).
 pub fn segment_bytes(slots: usize, slot_bytes: usize) -> usize {
     PAGE + 2 * slots * slot_bytes
-}
-
-fn random_hex() -> Result<String> {
-    let mut buf = [0u8; 16];
-    let mut got = 0;
-    while got < buf.len() {
-        // SAFETY: writes at most `buf.len() - got` bytes into `buf[got..]`.
-        let r = unsafe { libc::getrandom(buf[got..].as_mut_ptr().cast(), buf.len() - got, 0) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(Error::io("getrandom for the p2p segment name", e));
-        }
-        got += r as usize;
-    }
-    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 fn euid() -> u32 {
@@ -874,23 +858,6 @@ impl Channel {
 impl Drop for Channel {
     fn drop(&mut self) {
         self.close();
-    }
-}
-
-/// Sleeps while `*word == expected`, at most `timeout` (spurious returns are fine).
-fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
-    // SAFETY: `word` is a valid, 4-byte aligned u32 in a shared mapping (hence the
-    // non-private futex op); `ts` outlives the call.
-    unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec, 0usize, 0u32);
-    }
-}
-
-fn futex_wake(word: &AtomicU32) {
-    // SAFETY: as in `futex_wait`; waking has no memory-safety preconditions.
-    unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
     }
 }
 

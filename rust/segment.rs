@@ -365,7 +365,8 @@ pub fn remove_if_segment(path: &Path) {
     release_creator_lock(path);
 }
 
-fn random_hex() -> Result<String> {
+/// 128 random bits as 32 hex digits (segment file names: unguessable).
+pub(crate) fn random_hex() -> Result<String> {
     let mut buf = [0u8; 16];
     let mut got = 0;
     while got < buf.len() {
@@ -376,7 +377,7 @@ fn random_hex() -> Result<String> {
             if e.kind() == io::ErrorKind::Interrupted {
                 continue;
             }
-            return Err(Error::io("getrandom for the segment name", e));
+            return Err(Error::io("getrandom for a segment name", e));
         }
         got += r as usize;
     }

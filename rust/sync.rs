@@ -270,7 +270,7 @@ fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
 
 /// Sleeps while `*word == expected`, at most `timeout`. Spurious returns are fine: the
 /// caller re-checks its condition.
-fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
     // SAFETY: `word` is a valid, 4-byte aligned u32 in a shared mapping (so the
     // non-private futex op is the right one); `ts` outlives the call.
@@ -279,7 +279,8 @@ fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     }
 }
 
-fn futex_wake(word: &AtomicU32) {
+/// Wakes every thread sleeping in [`futex_wait`] on `word`, in any process.
+pub(crate) fn futex_wake(word: &AtomicU32) {
     // SAFETY: as in `futex_wait`; waking has no memory-safety preconditions.
     unsafe {
         libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
