@@ -18,6 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from test_flagos import emulator_built  # noqa: E402,F401  (fixture)
+
 from spawn import spawn  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -347,23 +349,11 @@ def test_pair_file_unlinked_once_both_attached(worlds):
         assert left == []
 
 
-def test_flagos_tensors(worlds, emulator_built):
+def test_flagos_tensors(worlds, emulator_built):  # noqa: F811  (the fixture)
     for res in worlds(2, **EMU_ENV).run(rank_exchange_large_async, 2, timeout=CALL_TIMEOUT_S):
         assert res and all(res.values()), res
     for res in worlds(2, **EMU_ENV).run(rank_send_recv_matrix, timeout=CALL_TIMEOUT_S):
         assert res["bad"] == []
-
-
-@pytest.fixture(scope="module")
-def emulator_built():
-    import shutil
-
-    compiler = os.environ.get("CXX", "c++").split()[0]
-    if shutil.which(compiler) is None:
-        pytest.skip(f"no C++ compiler {compiler!r} to build the flagos emulator")
-    from flagos_shm import emulation
-
-    return emulation.build()
 
 
 # ==== failures in fresh ranks ============================================================

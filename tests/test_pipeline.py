@@ -14,6 +14,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from test_flagos import emulator_built  # noqa: E402,F401  (fixture)
+
 pytestmark = pytest.mark.timeout(300)
 
 CALL_TIMEOUT_S = 150.0
@@ -124,19 +126,8 @@ def test_pipeline_cpu_matches_single_process(worlds, backend, schedule, world_si
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_pipeline_flagos_matches_single_process(worlds, backend, emulator_built, schedule, world_size):
+def test_pipeline_flagos_matches_single_process(worlds, backend, emulator_built,  # noqa: F811  (the fixture)
+                                                schedule, world_size):
     if backend != "flagos_shm":
         pytest.skip("flagos tensors need the flagos_shm backend")
     _check(worlds(world_size, **EMU_ENV).run(rank_pipeline, schedule, timeout=CALL_TIMEOUT_S))
-
-
-@pytest.fixture(scope="module")
-def emulator_built():
-    import shutil
-
-    compiler = os.environ.get("CXX", "c++").split()[0]
-    if shutil.which(compiler) is None:
-        pytest.skip(f"no C++ compiler {compiler!r} to build the flagos emulator")
-    from flagos_shm import emulation
-
-    return emulation.build()
