@@ -59,16 +59,17 @@ def env_override(**values):
                 os.environ[k] = v
 
 
-def shm_group(store_path: str, rank: int, size: int, name: str, timeout_s: float,
+def shm_group(store_path, rank: int, size: int, name: str, timeout_s: float,
               slot_bytes: Optional[int] = None, shm_dir: Optional[str] = None):
     """``ProcessGroupShm`` of ``size`` ranks (this process is group rank ``rank``), meeting
-    through a ``FileStore`` at ``store_path`` (one fresh path per group) whose waits also end
-    after ``timeout_s`` seconds. ``slot_bytes`` / ``shm_dir`` override the environment; with
+    through a ``FileStore`` at ``store_path`` (one fresh path per group; or ``store_path``
+    is a ``dist.Store`` to use as it is) whose waits also end after ``timeout_s`` seconds.
+    ``slot_bytes`` / ``shm_dir`` override the environment; with
     ``slot_bytes`` single-copy transfers are turned off (``FLAGOS_SHM_CMA=0``), so that large
     messages take many chunk steps through the slots (a peer can die midway)."""
     from flagos_shm import ProcessGroupShm
 
-    store = dist.FileStore(store_path, size)
+    store = store_path if isinstance(store_path, dist.Store) else dist.FileStore(store_path, size)
     store.set_timeout(timedelta(seconds=timeout_s))
     with env_override(FLAGOS_SHM_SLOT_BYTES=slot_bytes, FLAGOS_SHM_DIR=shm_dir,
                       FLAGOS_SHM_CMA="0" if slot_bytes else None):

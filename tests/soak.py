@@ -11,7 +11,9 @@ flagos_shm imported). Every *round* it draws 1-4 groups over random subsets of t
 schedule of 10-40 collectives (allreduce, allgather, broadcast, barrier, reduce_scatter,
 alltoall; 1 to 300 000 float32 elements; inputs are small integers, so every result is
 exact). Each worker builds the groups it belongs to (``flagos_shm.ProcessGroupShm`` on a
-``FileStore`` per group), runs the schedule's collectives of its groups in schedule order
+``PrefixStore`` per group over one ``TCPStore`` that the driver serves, as torchrun does:
+torch's ``FileStore`` is not kill-safe, see docs/failure-behaviour.md), runs the schedule's
+collectives of its groups in schedule order
 and checks every result against the sum/concatenation it computes itself. With
 probability ``--kill-rate`` the driver SIGKILLs a random member at a random moment of the
 round (during set-up or during a collective) and starts a replacement worker. A group
@@ -51,6 +53,7 @@ import sys
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -107,7 +110,9 @@ def run_round(faults, torch, me: int, groups: list, schedule: list, timeout_s: f
         if me not in g["members"]:
             continue
         try:
-            built[gi] = faults.shm_group(g["store"], g["members"].index(me), len(g["members"]), g["name"],
+            store = torch.distributed.PrefixStore(g["store"]["prefix"], torch.distributed.TCPStore(
+                "127.0.0.1", g["store"]["port"], is_master=False, timeout=timedelta(seconds=timeout_s)))
+            built[gi] = faults.shm_group(store, g["members"].index(me), len(g["members"]), g["name"],
                                          timeout_s, slot_bytes=g["slot"], shm_dir=shm_dir)
         except Exception as exc:  # noqa: BLE001
             broken[gi] = exc
@@ -169,6 +174,9 @@ class Driver:
         self.args = args
         self.rng = random.Random(args.seed)
         self.tmp = tempfile.mkdtemp(prefix="flagos_shm_soak_")
+        import torch.distributed as dist  # the driver serves the workers' store, as torchrun's agent does
+
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.shm_dir = tempfile.mkdtemp(prefix="flagos_shm_soak_", dir=base)
         self.env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1", FLAGOS_SHM_DIR=self.shm_dir)
@@ -241,7 +249,7 @@ class Driver:
             size = self.rng.randint(1, len(ready))
             members = sorted(self.rng.sample(ready, size))
             groups.append({"members": members, "slot": self.rng.choice(SLOTS), "name": f"soak-r{r}-g{gi}",
-                           "store": os.path.join(self.tmp, f"store-r{r}-g{gi}")})
+                           "store": {"port": self.store.port, "prefix": f"soak-r{r}-g{gi}"}})
         schedule = []
         for i in range(self.rng.randint(10, 40)):
             gi = self.rng.randrange(len(groups))
