@@ -46,7 +46,7 @@
 use crate::buffer::Buf;
 use crate::error::{Error, Result};
 use crate::segment::random_hex;
-use crate::sync::{futex_wait, futex_wake};
+use crate::sync::Doorbell;
 use memmap2::{MmapOptions, MmapRaw};
 use std::collections::VecDeque;
 use std::fs::{File, OpenOptions};
@@ -54,7 +54,7 @@ use std::io;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::{Duration, Instant};
 
@@ -460,14 +460,13 @@ impl Channel {
         total.div_ceil(self.payload() as u64).max(1)
     }
 
-    fn ring(&self, d: usize, wake: bool) {
+    fn doorbell(&self, d: usize) -> Doorbell<'_> {
         let c = self.dir(d);
-        // Dekker with the sleeper's `sleepers` increment before re-checking (see sync.rs).
-        fence(Ordering::SeqCst);
-        if wake || c.sleepers.load(Ordering::SeqCst) > 0 {
-            c.bell.fetch_add(1, Ordering::SeqCst);
-            futex_wake(&c.bell);
-        }
+        Doorbell { word: &c.bell, sleepers: &c.sleepers }
+    }
+
+    fn ring(&self, d: usize, wake: bool) {
+        self.doorbell(d).ring(wake);
     }
 
     /// Marks the pair aborted (both sides' waits on it fail) and wakes every waiter.
@@ -537,21 +536,11 @@ impl Channel {
                 return Ok(());
             }
         }
-        let c = self.dir(d);
+        let bell = self.doorbell(d);
         loop {
             stop()?;
-            if cond() {
-                return Ok(());
-            }
-            c.sleepers.fetch_add(1, Ordering::SeqCst);
-            let bell = c.bell.load(Ordering::SeqCst);
-            let done = cond();
-            if !done {
-                let left = w.deadline.saturating_duration_since(Instant::now());
-                futex_wait(&c.bell, bell, left.min(SLEEP_SLICE));
-            }
-            c.sleepers.fetch_sub(1, Ordering::SeqCst);
-            if done || cond() {
+            let left = w.deadline.saturating_duration_since(Instant::now());
+            if bell.sleep(left.min(SLEEP_SLICE), &cond, || false) {
                 return Ok(());
             }
         }

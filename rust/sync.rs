@@ -50,7 +50,10 @@
 //! the Acquire loads of (4) could be satisfied before the increment (1) is visible
 //! (allowed on weakly ordered CPUs such as aarch64), and both sides would miss each
 //! other. [`abort`] also bumps `wake` unconditionally, and the sleeper re-checks the
-//! aborted flag in (4), so an abort is never slept through either.
+//! aborted flag in (4), so an abort is never slept through either. The protocol is
+//! written once, in [`Doorbell`], which the point-to-point rings (`crate::p2p`, per-ring
+//! `bell` and `sleepers`) use as well (their sleeper had no fence between (1) and (4)
+//! before it was shared).
 
 use crate::error::{Error, Result};
 use crate::segment::{self, GroupLine, Segment, DESC_WORDS};
@@ -89,13 +92,11 @@ pub fn arrive(seg: &Segment, rank: usize, step: u64) {
 /// The waker's half of the protocol in "Sleeping and waking" (module docs): called after
 /// the store that changes a sleeper's condition (an arrival, the aborted flag).
 fn wake_sleepers(g: &GroupLine) {
-    // This SeqCst fence, between our store and our read of `sleepers`, pairs with the
-    // sleeper's fence between its registration and its re-check (the Dekker pattern).
-    fence(Ordering::SeqCst);
-    if g.sleepers.load(Ordering::SeqCst) > 0 {
-        g.wake.fetch_add(1, Ordering::SeqCst);
-        futex_wake(&g.wake);
-    }
+    doorbell(g).ring(false);
+}
+
+fn doorbell(g: &GroupLine) -> Doorbell<'_> {
+    Doorbell { word: &g.wake, sleepers: &g.sleepers }
 }
 
 /// Marks the group aborted by `rank` and wakes every waiter.
@@ -220,19 +221,11 @@ fn wait_arrivals(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     loop {
         check_stop(seg, step, ctx)?;
         // Register as a sleeper, then (after a full fence) snapshot the futex word and
-        // re-check the condition: see "Sleeping and waking" in the module docs.
-        g.sleepers.fetch_add(1, Ordering::SeqCst);
-        fence(Ordering::SeqCst);
-        let w = g.wake.load(Ordering::SeqCst);
-        let done = all_in();
-        // An abort that bumped `wake` before our snapshot would not end the futex wait:
-        // re-check the flag after the snapshot too (`check_stop` then reports it).
-        if !done && aborted_by(seg).is_none() {
-            let left = ctx.deadline.saturating_duration_since(Instant::now());
-            futex_wait(&g.wake, w, left.min(SLEEP_SLICE));
-        }
-        g.sleepers.fetch_sub(1, Ordering::SeqCst);
-        if done || all_in() {
+        // re-check the condition: see "Sleeping and waking" in the module docs. An abort
+        // that bumped `wake` before our snapshot would not end the futex wait: re-check
+        // the flag after the snapshot too (`check_stop` then reports it).
+        let left = ctx.deadline.saturating_duration_since(Instant::now());
+        if doorbell(g).sleep(left.min(SLEEP_SLICE), all_in, || aborted_by(seg).is_some()) {
             return Ok(());
         }
     }
@@ -266,6 +259,49 @@ fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
         return Err(Error::Timeout(format!("{} within the timeout of {:.3} s", head(&m), ctx.timeout.as_secs_f64())));
     }
     Ok(())
+}
+
+/// The futex word and sleeper count of one wait queue in shared memory, and the two
+/// halves of the protocol in "Sleeping and waking" (module docs) on them. Both the group
+/// line (`wake`, `sleepers`) and each point-to-point ring (`bell`, `sleepers`) use it, so
+/// the ordering that keeps a sleeper from missing its wake is written once, here.
+pub(crate) struct Doorbell<'a> {
+    pub word: &'a AtomicU32,
+    pub sleepers: &'a AtomicU32,
+}
+
+impl Doorbell<'_> {
+    /// The waker's half, called after the store that changes a sleeper's condition: wake
+    /// the sleepers if any (every one if `force`, which also bumps the word when nobody is
+    /// registered yet, so that a sleeper's snapshot taken before it differs).
+    pub fn ring(&self, force: bool) {
+        // This SeqCst fence, between the caller's store and our read of `sleepers`, pairs
+        // with the sleeper's fence between its registration and its re-check (Dekker).
+        fence(Ordering::SeqCst);
+        if force || self.sleepers.load(Ordering::SeqCst) > 0 {
+            self.word.fetch_add(1, Ordering::SeqCst);
+            futex_wake(self.word);
+        }
+    }
+
+    /// The sleeper's half: register, fence, snapshot the word, re-check `done()`, and
+    /// sleep at most `timeout` unless it held (or `skip()` says not to). Returns whether
+    /// `done()` held at the re-check or after waking; the caller loops (between slices it
+    /// checks deadlines, aborts and peers).
+    pub fn sleep(&self, timeout: Duration, done: impl Fn() -> bool, skip: impl Fn() -> bool) -> bool {
+        self.sleepers.fetch_add(1, Ordering::SeqCst);
+        // Without this fence the (Acquire) loads of `done()` could be satisfied before the
+        // increment above is visible to the waker (allowed by the memory model, and by
+        // weakly ordered CPUs such as aarch64 with RCpc loads), and both would miss.
+        fence(Ordering::SeqCst);
+        let w = self.word.load(Ordering::SeqCst);
+        let held = done();
+        if !held && !skip() {
+            futex_wait(self.word, w, timeout);
+        }
+        self.sleepers.fetch_sub(1, Ordering::SeqCst);
+        held || done()
+    }
 }
 
 /// Sleeps while `*word == expected`, at most `timeout`. Spurious returns are fine: the
@@ -386,4 +422,80 @@ pub fn publish_cma(seg: &Segment, rank: usize, v: u64) {
 /// Rank `q`'s published single-copy verdict, after `wait_all` for its step.
 pub fn read_cma(seg: &Segment, q: usize) -> u64 {
     seg.ctrl(q).cma.load(Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicU64};
+    use std::sync::Arc;
+
+    struct Shared {
+        word: AtomicU32,
+        sleepers: AtomicU32,
+        turn: AtomicU64,
+        lost: AtomicBool,
+    }
+
+    impl Shared {
+        fn bell(&self) -> Doorbell<'_> {
+            Doorbell { word: &self.word, sleepers: &self.sleepers }
+        }
+
+        /// Waits until `turn` reaches `want`; a sleep that runs to its timeout although
+        /// the peer changes `turn` at once is a lost wake: record it and give up.
+        fn wait_turn(&self, want: u64) -> bool {
+            const TIMEOUT: Duration = Duration::from_secs(2);
+            while !self.lost.load(Ordering::SeqCst) {
+                let t0 = Instant::now();
+                if self.bell().sleep(TIMEOUT, || self.turn.load(Ordering::Acquire) >= want, || false) {
+                    return true;
+                }
+                if t0.elapsed() >= TIMEOUT {
+                    self.lost.store(true, Ordering::SeqCst);
+                }
+            }
+            false
+        }
+
+        fn pass(&self, turn: u64) {
+            self.turn.store(turn, Ordering::Release);
+            self.bell().ring(false);
+        }
+    }
+
+    /// A sleeper and a waker hand a counter back and forth 2000 times through one
+    /// [`Doorbell`]; each side sleeps right away (no spinning), so most hand-overs go
+    /// through the futex, and one lost wake fails the test after one 2 s timeout.
+    #[test]
+    fn doorbell_never_sleeps_through_a_ring() {
+        const ROUNDS: u64 = 2000;
+        let s = Arc::new(Shared {
+            word: AtomicU32::new(0),
+            sleepers: AtomicU32::new(0),
+            turn: AtomicU64::new(0),
+            lost: AtomicBool::new(false),
+        });
+        let peer = {
+            let s = Arc::clone(&s);
+            std::thread::spawn(move || {
+                for i in 0..ROUNDS {
+                    if !s.wait_turn(2 * i + 1) {
+                        return;
+                    }
+                    s.pass(2 * i + 2);
+                }
+            })
+        };
+        for i in 0..ROUNDS {
+            s.pass(2 * i + 1);
+            if !s.wait_turn(2 * i + 2) {
+                break;
+            }
+        }
+        s.lost.load(Ordering::SeqCst).then(|| s.pass(u64::MAX)); // let a waiting peer go
+        peer.join().unwrap();
+        assert!(!s.lost.load(Ordering::SeqCst), "a sleep ran to its timeout although the condition had changed");
+        assert_eq!(s.sleepers.load(Ordering::SeqCst), 0);
+    }
 }
