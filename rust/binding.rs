@@ -560,7 +560,7 @@ impl PyCommunicator {
 }
 
 /// One rank's end of the point-to-point channel with one peer of its group (see
-/// `rust/p2p.rs`): a bounded shared-memory segment per pair of ranks that talk.
+/// `rust/p2p/`): a bounded shared-memory segment per pair of ranks that talk.
 ///
 /// `P2PChannel.create(dir, slots, slot_bytes)` makes a pair segment and returns its path
 /// (one side does this and publishes the path); `P2PChannel(path, side, peer_pid, peer)`

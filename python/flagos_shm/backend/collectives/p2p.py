@@ -2,7 +2,7 @@
 ``irecv`` and ``batch_isend_irecv``, on CPU and device tensors.
 
 Each pair of group ranks that talk gets one small shared-memory segment, made on first use
-(:class:`flagos_shm._core.P2PChannel`, ``rust/p2p.rs``): two rings (one per direction) of
+(:class:`flagos_shm._core.P2PChannel`, ``rust/p2p/``): two rings (one per direction) of
 ``FLAGOS_SHM_P2P_SLOTS`` slots (default 4) of ``FLAGOS_SHM_P2P_SLOT_BYTES`` (default 64 KiB),
 through which messages of any size stream; a slow receiver holds the sender back. Whichever
 rank of the pair comes first creates the segment and publishes its path in the group's store
