@@ -426,6 +426,29 @@ pub fn create(dir: &Path, world_size: usize, slot_bytes: usize) -> Result<PathBu
     Ok(path)
 }
 
+/// Opens the segment file at `path` read-write (never following a symlink) and checks
+/// that it is a regular file owned by this user with no group/other permissions, as the
+/// group and pair segments are created; errors are prefixed by `ctx`.
+pub(crate) fn open_private(path: &Path, ctx: &dyn Fn(&str) -> String) -> Result<(File, std::fs::Metadata)> {
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
+        .open(path)
+        .map_err(|e| Error::io(ctx("cannot open"), e))?;
+    let meta = file.metadata().map_err(|e| Error::io(ctx("cannot stat"), e))?;
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    if !meta.file_type().is_file() || meta.uid() != uid || meta.mode() & 0o077 != 0 {
+        return Err(Error::InvalidArgument(ctx(&format!(
+            "expected a regular file owned by uid {uid} with mode 0600, found uid {} mode {:o}",
+            meta.uid(),
+            meta.mode() & 0o7777
+        ))));
+    }
+    Ok((file, meta))
+}
+
 /// An unnamed file in `dir` (`O_TMPFILE`, mode 0600), or `None` where the file system or
 /// kernel does not offer them.
 fn open_unnamed(dir: &Path) -> Option<File> {
@@ -504,22 +527,8 @@ impl Segment {
     /// anything is mapped, and exactly the validated size is mapped.
     pub fn open(path: &Path, world_size: usize) -> Result<Segment> {
         let ctx = |what: &str| format!("shared-memory segment {}: {what}", path.display());
-        let file: File = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-            .open(path)
-            .map_err(|e| Error::io(ctx("cannot open"), e))?;
-        let meta = file.metadata().map_err(|e| Error::io(ctx("cannot stat"), e))?;
-        // SAFETY: geteuid has no preconditions.
-        let uid = unsafe { libc::geteuid() };
-        if !meta.file_type().is_file() || meta.uid() != uid || meta.mode() & 0o077 != 0 {
-            return Err(Error::InvalidArgument(ctx(&format!(
-                "expected a regular file owned by uid {uid} with mode 0600, found uid {} mode {:o}",
-                meta.uid(),
-                meta.mode() & 0o7777
-            ))));
-        }
+        let (file, meta) = open_private(path, &ctx)?;
+        let uid = meta.uid();
         let file_len = meta.len();
         let mut raw = [0u8; HEADER_BYTES];
         if file_len >= HEADER_BYTES as u64 {

@@ -58,8 +58,7 @@ use crate::error::{Error, Result};
 use crate::sync::Doorbell;
 use memmap2::{MmapOptions, MmapRaw};
 use std::collections::VecDeque;
-use std::fs::OpenOptions;
-use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -143,17 +142,8 @@ impl Channel {
             return Err(Error::InvalidArgument(format!("side: expected 0 or 1, got {side}")));
         }
         let ctx = |what: &str| format!("p2p segment {}: {what}", path.display());
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .custom_flags(libc::O_CLOEXEC | libc::O_NOFOLLOW)
-            .open(path)
-            .map_err(|e| Error::io(ctx("cannot open"), e))?;
-        let meta = file.metadata().map_err(|e| Error::io(ctx("cannot stat"), e))?;
-        let uid = euid();
-        if !meta.file_type().is_file() || meta.uid() != uid || meta.mode() & 0o077 != 0 {
-            return Err(Error::InvalidArgument(ctx(&format!("expected a regular file owned by uid {uid} with mode 0600"))));
-        }
+        let (file, meta) = crate::segment::open_private(path, &ctx)?;
+        let uid = meta.uid();
         let bad = |m: String| Error::InvalidArgument(ctx(&m));
         let h = read_header(&file, meta.len()).ok_or_else(|| bad(format!("too small ({} bytes) for a header", meta.len())))?;
         if h.magic != MAGIC {
