@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
+import os
 import threading
 import time
 from datetime import timedelta
@@ -59,7 +60,7 @@ from torch._C._distributed_c10d import (
 )
 
 from .. import staging
-from . import options, rendezvous
+from . import hierarchy_p2p, options, rendezvous
 from .collectives.base import attach
 
 __all__ = ["HierarchicalComm"]
@@ -72,6 +73,8 @@ _DTYPE_CODE = {name: i + 1 for i, name in enumerate(staging.CORE_DTYPES.values()
 _KINDS = ("barrier", "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather", "scatter", "alltoall")
 _KIND_CODE = {k: i + 1 for i, k in enumerate(_KINDS)}
 _ALLTOALL_NAMES = ("alltoall", "all_to_all_single", "alltoall_base")
+_GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
+_ALL_LOCK = threading.Lock()  # making the all-ranks group (and setting the variable above)
 
 _FLOAT_OPS = {SUM: torch.add, PRODUCT: torch.mul, MIN: torch.minimum, MAX: torch.maximum,
               BAND: torch.bitwise_and, BOR: torch.bitwise_or, BXOR: torch.bitwise_xor}
@@ -363,11 +366,50 @@ class HierarchicalComm:
     def _gloo(self, group: str) -> ProcessGroupGloo:
         pg = self._leaders if group == "leaders" else self._all
         if pg is None and group == "all" and self._aborted is None:
-            pg = self._all = ProcessGroupGloo(dist.PrefixStore(f"{self._layout.base}/gloo-all", self._store),
-                                              self._rank, self._n, timedelta(seconds=self._timeout_s))
+            pg = self._all_group()
         if pg is None:
             raise RuntimeError(f"flagos_shm: the multi-node group was aborted ({self._aborted})")
         return pg
+
+    def _all_group(self) -> ProcessGroupGloo:
+        """The all-ranks Gloo group, made on first use by whichever ranks use it (all-to-all,
+        point-to-point between nodes). Gloo's lazy set-up (``TORCH_GLOO_LAZY_INIT``, read
+        when a group is made) connects a pair when it first talks, so two ranks that only
+        exchange messages need no one else."""
+        with _ALL_LOCK:
+            if self._all is None and self._aborted is None and not self._closed:
+                saved = os.environ.get(_GLOO_LAZY)
+                os.environ[_GLOO_LAZY] = "1"
+                try:
+                    self._all = ProcessGroupGloo(dist.PrefixStore(f"{self._layout.base}/gloo-all", self._store),
+                                                 self._rank, self._n, timedelta(seconds=self._timeout_s))
+                finally:
+                    if saved is None:
+                        os.environ.pop(_GLOO_LAZY, None)
+                    else:
+                        os.environ[_GLOO_LAZY] = saved
+            pg = self._all
+        if pg is None:
+            raise RuntimeError(f"flagos_shm: the multi-node group was aborted or shut down ({self._aborted})")
+        return pg
+
+    # ---- point-to-point between nodes (hierarchy_p2p) -------------------------------------
+
+    def node_of(self, rank: int) -> int:
+        """The node index of group rank ``rank``."""
+        return self._node_of[rank]
+
+    def is_remote(self, peer: int) -> bool:
+        """Whether group rank ``peer`` is on another node than this rank."""
+        return self._node_of[peer] != self._layout.node
+
+    def send_remote(self, peer: int, peer_name: str, data: torch.Tensor, tag: int, deadline: float) -> None:
+        """:func:`hierarchy_p2p.send` over the all-ranks Gloo group."""
+        hierarchy_p2p.send(self._all_group(), peer, peer_name, data, tag, deadline)
+
+    def recv_remote(self, peer: int, peer_name: str, data: torch.Tensor, tag: int, deadline: float) -> None:
+        """:func:`hierarchy_p2p.recv` over the all-ranks Gloo group."""
+        hierarchy_p2p.recv(self._all_group(), peer, peer_name, data, tag, deadline)
 
     def _exchange(self, header: tuple, timeout_s: float, failed: bool = False, group: str = "leaders") -> None:
         """Allgather ``(failed, *header)`` among the leaders (or all ranks); ValueError if a
