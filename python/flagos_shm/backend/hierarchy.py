@@ -60,7 +60,7 @@ from torch._C._distributed_c10d import (
 )
 
 from .. import staging
-from . import hierarchy_p2p, options, rendezvous
+from . import hierarchy_p2p, hierarchy_rs, options, rendezvous
 from .collectives.base import attach
 
 __all__ = ["HierarchicalComm"]
@@ -70,7 +70,8 @@ _log = logging.getLogger("flagos_shm")
 SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM = range(9)
 _TORCH = {name: dtype for dtype, name in staging.CORE_DTYPES.items()}
 _DTYPE_CODE = {name: i + 1 for i, name in enumerate(staging.CORE_DTYPES.values())}
-_KINDS = ("barrier", "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather", "scatter", "alltoall")
+_KINDS = ("barrier", "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather", "scatter", "alltoall",
+          "allreduce_rs", "reduce_rs", "reduce_scatter_rs")  # *_rs: hierarchy_rs's path
 _KIND_CODE = {k: i + 1 for i, k in enumerate(_KINDS)}
 _ALLTOALL_NAMES = ("alltoall", "all_to_all_single", "alltoall_base")
 _GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
@@ -229,6 +230,7 @@ class HierarchicalComm:
         self._aborted: Optional[str] = None
         self._closed = False
         self._seq = 0
+        self.last_reduce_path: Optional[str] = None  # of the last allreduce/reduce/reduce-scatter
         self._all: Optional[ProcessGroupGloo] = None
         self._leaders: Optional[ProcessGroupGloo] = None
         try:
@@ -302,6 +304,7 @@ class HierarchicalComm:
         if self._aborted is None:
             self._aborted = why
         self.local.abort()
+        hierarchy_rs.close_columns(self, abort=True)
         groups, self._leaders, self._all = [self._leaders, self._all], None, None
         for pg in groups:
             if pg is not None:
@@ -323,6 +326,7 @@ class HierarchicalComm:
                 pass
         self._worker.join()
         self.local.close()
+        hierarchy_rs.close_columns(self, abort=False)
         for name in ("_leaders", "_all"):
             pg = getattr(self, name)
             setattr(self, name, None)
@@ -557,10 +561,21 @@ class HierarchicalComm:
         self._phases((_KIND_CODE[kind], numel, _DTYPE_CODE[dtype], op, root), t,
                      pre if multi else None, inter, post if multi else None)
 
+    def _reduce_all(self, kind: str, x: torch.Tensor, dtype: str, op: int, factor: float, root: int, t: float) -> None:
+        """An allreduce of ``x`` by the leader path or, for large tensors on nodes of equal
+        size, by in-node reduce-scatter (:mod:`.hierarchy_rs`); records which in
+        ``last_reduce_path`` (``"leader"`` or ``"reduce_scatter"``)."""
+        if hierarchy_rs.eligible(self, x):
+            self.last_reduce_path = "reduce_scatter"
+            hierarchy_rs.allreduce_rs(self, kind, x, dtype, op, factor, root, t)
+        else:
+            self.last_reduce_path = "leader"
+            self._allreduce_job(kind, x, dtype, op, factor, root, t)
+
     def allreduce(self, ptr, nbytes, numel, dtype, op, factor=1.0, timeout_s=None, done=None) -> int:
         t = self._t(timeout_s)
         x = _checked_view("nbytes", ptr, nbytes, numel, dtype)
-        return self._dispatch(lambda: self._allreduce_job("allreduce", x, dtype, op, factor, 0, t), done)
+        return self._dispatch(lambda: self._reduce_all("allreduce", x, dtype, op, factor, 0, t), done)
 
     def reduce(self, ptr, nbytes, numel, dtype, op, root, factor=1.0, timeout_s=None, done=None) -> int:
         t = self._t(timeout_s)
@@ -568,7 +583,7 @@ class HierarchicalComm:
 
         def job() -> None:
             scratch = x.clone()
-            self._allreduce_job("reduce", scratch, dtype, op, factor, root, t)
+            self._reduce_all("reduce", scratch, dtype, op, factor, root, t)
             if self._rank == root:
                 x.copy_(scratch)
         return self._dispatch(job, done)
@@ -581,7 +596,7 @@ class HierarchicalComm:
 
         def job() -> None:
             scratch = inp.clone()
-            self._allreduce_job("reduce_scatter", scratch, dtype, op, factor, 0, t)
+            self._reduce_all("reduce_scatter", scratch, dtype, op, factor, 0, t)
             out.copy_(scratch[self._rank * numel:(self._rank + 1) * numel])
         return self._dispatch(job, done)
 
