@@ -82,13 +82,13 @@ def test_reduce_scatter_path_every_op_and_dtype():
 
 
 @pytest.mark.parametrize("layout", ["aaab", "abab"])
-def test_leader_path_on_unequal_nodes_and_by_default_for_small_tensors(layout):
-    """3 + 1 ranks: always the leader path. Non-contiguous 2 + 2 with the default threshold
-    (256 KiB): 4100 float64 elements (32 KiB) take the leader path, 1 MiB of any dtype the
-    reduce-scatter path."""
-    big = (1 << 20) // 8
-    results = spawn(reductions_rank, 4, env=GLOO_ENV, args=([4100, big] if layout == "abab" else [7, 4100],),
-                    timeout=SPAWN_DEADLINE_S, rank_env=_layout_env(layout, {ENV_RS: "0"} if layout == "aaab" else {}))
+def test_leader_path_on_unequal_nodes_and_below_the_threshold(layout):
+    """3 + 1 ranks: always the leader path. Non-contiguous 2 + 2 with a 64 KiB threshold:
+    4100 elements (at most 32 KiB) take the leader path; 16400 elements take the
+    reduce-scatter path from 4 bytes an element (64 KiB) on."""
+    rs_env = {ENV_RS: "0"} if layout == "aaab" else {ENV_RS: str(64 << 10)}
+    results = spawn(reductions_rank, 4, env=GLOO_ENV, args=([7, 4100] if layout == "aaab" else [4100, 16400],),
+                    timeout=SPAWN_DEADLINE_S, rank_env=_layout_env(layout, rs_env))
 
     def path_of(name: str) -> str:
         if layout == "aaab":
@@ -96,20 +96,34 @@ def test_leader_path_on_unequal_nodes_and_by_default_for_small_tensors(layout):
         dtype = getattr(torch, name.split("/")[1].split(".")[1]) if name.startswith("allreduce") else torch.float32
         numel = int(name.split("/")[-1]) if name.startswith("allreduce") else 4 * 4 * 301
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        return "reduce_scatter" if nbytes >= 256 << 10 else "leader"
+        return "reduce_scatter" if nbytes >= 64 << 10 else "leader"
     _check(results, path_of)
+
+
+def test_threshold_setting(monkeypatch):
+    from flagos_shm.backend import config
+
+    monkeypatch.delenv(ENV_RS, raising=False)
+    assert config.hier_rs_min_bytes() == config.DEFAULT_HIER_RS_MIN_BYTES == 4 << 20
+    for raw, want in (("0", 0), ("65536", 65536), ("off", None)):
+        monkeypatch.setenv(ENV_RS, raw)
+        assert config.hier_rs_min_bytes() == want
+    for raw in ("-1", "4k", "many"):
+        monkeypatch.setenv(ENV_RS, raw)
+        with pytest.raises(ValueError, match=ENV_RS):
+            config.hier_rs_min_bytes()
 
 
 def disagree_rank(rank: int, world_size: int, tmp: str) -> dict:
     _init(rank, world_size)
     res = {}
-    x = torch.ones(1 << 16)  # 256 KiB: node a takes the reduce-scatter path, node b (off) the leader path
+    x = torch.ones(1 << 20)  # 4 MiB: node a takes the reduce-scatter path, node b (off) the leader path
     try:
         dist.all_reduce(x)
         res["paths"] = None
     except Exception as exc:  # noqa: BLE001
         res["paths"] = type(exc).__name__
-    y = torch.ones(1 << 16 if rank != 3 else (1 << 16) + 4)  # another count on rank 3
+    y = torch.ones(1 << 20 if rank != 3 else (1 << 20) + 4)  # another count on rank 3
     try:
         dist.all_reduce(y)
         res["count"] = None

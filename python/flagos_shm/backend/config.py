@@ -42,9 +42,10 @@ ENV_EXTEND_GLOO = "FLAGOS_SHM_EXTEND_GLOO"
 ENV_FLIGHT_RECORDER = "FLAGOS_SHM_FLIGHT_RECORDER"
 ENV_NODE_ID = "FLAGOS_SHM_NODE_ID"
 ENV_HIER_RS_MIN_BYTES = "FLAGOS_SHM_HIER_RS_MIN_BYTES"
-#: Default of FLAGOS_SHM_HIER_RS_MIN_BYTES: from the simulated 2 x 2 benchmark in
-#: docs/multinode.md (the reduce-scatter path wins from 256 KiB on).
-DEFAULT_HIER_RS_MIN_BYTES = 256 << 10
+#: Default of FLAGOS_SHM_HIER_RS_MIN_BYTES (4 MiB): from the simulated 2 x 2 benchmark in
+#: docs/multinode.md, where the reduce-scatter path loses up to 1 MiB, ties at 4 MiB and wins
+#: at 16 MiB (a pessimistic setting for it: its parallel Gloo steps share 2 CPUs there).
+DEFAULT_HIER_RS_MIN_BYTES = 4 << 20
 DEFAULT_DIR = "/dev/shm"
 ROUTES = ("auto", "backend", "process_group")
 

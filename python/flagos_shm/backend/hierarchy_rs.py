@@ -2,7 +2,7 @@
 
 In a :class:`~flagos_shm.backend.hierarchy.HierarchicalComm` group whose ``m`` nodes all
 have ``k > 1`` ranks, an allreduce (and the allreduce inside reduce and reduce-scatter) of
-at least ``FLAGOS_SHM_HIER_RS_MIN_BYTES`` bytes (default 256 KiB, measured: docs/multinode.md)
+at least ``FLAGOS_SHM_HIER_RS_MIN_BYTES`` bytes (default 4 MiB, measured: docs/multinode.md)
 runs as (Horovod's hierarchical allreduce):
 
 1. in the node, a reduce-scatter (shared memory): local rank ``j`` holds the node's partial
