@@ -31,7 +31,16 @@ def _layout_env(layout: str, extra: dict) -> dict:
 
 
 def reductions_rank(rank: int, world_size: int, tmp: str, sizes: list) -> dict:
+    import logging
+
+    records = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: records.append(record.getMessage())
+    log = logging.getLogger("flagos_shm")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
     part = _init(rank, world_size)
+    log.removeHandler(handler)
     comm = part._comm
     n = world_size
     bad, digests, paths = [], {}, {}
@@ -58,7 +67,7 @@ def reductions_rank(rank: int, world_size: int, tmp: str, sizes: list) -> dict:
         dist.reduce_scatter_tensor(out, inputs[rank].clone(), op=_op(op))
         check(f"reduce_scatter/{op}", out, _reference(op, inputs)[4 * 301 * rank:4 * 301 * (rank + 1)])
     dist.destroy_process_group()
-    return {"bad": bad, "digests": digests, "paths": paths}
+    return {"bad": bad, "digests": digests, "paths": paths, "log": records}
 
 
 def _check(results: list, path_of) -> None:
@@ -79,6 +88,12 @@ def test_reduce_scatter_path_every_op_and_dtype():
     results = spawn(reductions_rank, 4, env=GLOO_ENV, args=([1, 7, 4099, 4100],), timeout=SPAWN_DEADLINE_S,
                     rank_env=_layout_env("aabb", {ENV_RS: "0"}))
     _check(results, lambda k: "leader" if k.endswith("/1") and "complex" not in k else "reduce_scatter")
+    # the set-up log line a user reads to check the layout (INFO)
+    for rank, res in enumerate(results):
+        lines = [m for m in res["log"] if "2 nodes: node 0 = ranks [0, 1] on" in m]
+        assert len(lines) == 1, (rank, res["log"])
+        assert "node 1 = ranks [2, 3]" in lines[0] and "FLAGOS_SHM_NODE_ID='b'" in lines[0], lines
+        assert f"local rank {rank % 2} of 2 on node {rank // 2}" in lines[0], lines
 
 
 @pytest.mark.parametrize("layout", ["aaab", "abab"])
