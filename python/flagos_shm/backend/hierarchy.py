@@ -13,7 +13,10 @@ What it holds:
   rendezvous, through the group's store);
 * on each node's leader (its lowest group rank), a ``ProcessGroupGloo`` over the leaders,
   made directly on the group's store under a private prefix;
-* a ``ProcessGroupGloo`` over all ranks, made on first use (all_to_all only).
+* a ``ProcessGroupGloo`` over all ranks, made on first use with Gloo's lazy connections
+  (all_to_all, and point-to-point between nodes: :mod:`.hierarchy_p2p`);
+* on nodes of equal size, a ``ProcessGroupGloo`` per local rank index, made on first use
+  (the reduce-scatter path of large allreduces: :mod:`.hierarchy_rs`).
 
 Algorithms (``L`` = in-node step through shared memory, ``G`` = among the leaders):
 
@@ -23,7 +26,9 @@ Algorithms (``L`` = in-node step through shared memory, ``G`` = among the leader
   int64 and divides rounding toward zero; AVG divides by the group size; PREMUL_SUM scales
   in the node step: the core's rules (see ``rust/reduce.rs``), applied per level. Results
   are bitwise identical on every rank; they may differ in the last bit from the one-node
-  order (ranks are combined node by node).
+  order (ranks are combined node by node). From ``FLAGOS_SHM_HIER_RS_MIN_BYTES`` on nodes of
+  equal size: L reduce-scatter, Gloo among the ranks of each local rank, L allgather
+  (:mod:`.hierarchy_rs`, which also states the order of each path).
 * broadcast: L broadcast on the root's node, G broadcast from its leader, L broadcast on
   the others. barrier: L barrier, G exchange, L barrier.
 * allgather: L gather to the leader, G allgather (padded to the largest node), L broadcast.
