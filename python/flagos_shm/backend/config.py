@@ -20,6 +20,12 @@ Variables:
         name, boot id and IPC namespace): ranks with equal values share one segment, ranks
         with different values talk through Gloo (:mod:`flagos_shm.backend.hierarchy`).
         Ranks given one value must still share ``FLAGOS_SHM_DIR``, or set-up fails at once.
+    FLAGOS_SHM_HIER_RS_MIN_BYTES: in a group spanning nodes of equal size, the smallest
+        allreduce (bytes of the tensor) that runs as in-node reduce-scatter, Gloo among the
+        ranks of equal local rank, in-node allgather (default
+        :data:`DEFAULT_HIER_RS_MIN_BYTES`; ``0`` always, ``off`` never; see
+        :mod:`flagos_shm.backend.hierarchy_rs`).
+        Every rank must use the same value (a disagreement raises ValueError on every rank).
 """
 
 from __future__ import annotations
@@ -35,6 +41,11 @@ ENV_ROUTE = "FLAGOS_SHM_ROUTE"
 ENV_EXTEND_GLOO = "FLAGOS_SHM_EXTEND_GLOO"
 ENV_FLIGHT_RECORDER = "FLAGOS_SHM_FLIGHT_RECORDER"
 ENV_NODE_ID = "FLAGOS_SHM_NODE_ID"
+ENV_HIER_RS_MIN_BYTES = "FLAGOS_SHM_HIER_RS_MIN_BYTES"
+#: Default of FLAGOS_SHM_HIER_RS_MIN_BYTES (4 MiB): from the simulated 2 x 2 benchmark in
+#: docs/multinode.md, where the reduce-scatter path loses up to 1 MiB, ties at 4 MiB and wins
+#: at 16 MiB (a pessimistic setting for it: its parallel Gloo steps share 2 CPUs there).
+DEFAULT_HIER_RS_MIN_BYTES = 4 << 20
 DEFAULT_DIR = "/dev/shm"
 ROUTES = ("auto", "backend", "process_group")
 
@@ -67,6 +78,27 @@ def flight_recorder() -> bool:
 def node_id() -> str:
     """``FLAGOS_SHM_NODE_ID``: this rank's node, or ``""`` (unset: detected at set-up)."""
     return os.environ.get(ENV_NODE_ID, "").strip()
+
+
+def hier_rs_min_bytes():
+    """``FLAGOS_SHM_HIER_RS_MIN_BYTES``: bytes (an int >= 0), or None (``off``).
+
+    Raises:
+        ValueError: neither a non-negative integer nor ``off``.
+    """
+    raw = os.environ.get(ENV_HIER_RS_MIN_BYTES, "").strip().lower()
+    if not raw:
+        return DEFAULT_HIER_RS_MIN_BYTES
+    if raw in ("off", "never", "false", "no"):  # "0" is a size here: always
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"{ENV_HIER_RS_MIN_BYTES}={raw!r}: expected a number of bytes >= 0 or 'off' "
+                         f"(default {DEFAULT_HIER_RS_MIN_BYTES})")
+    return value
 
 
 def route() -> str:

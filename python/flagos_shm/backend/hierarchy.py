@@ -13,7 +13,10 @@ What it holds:
   rendezvous, through the group's store);
 * on each node's leader (its lowest group rank), a ``ProcessGroupGloo`` over the leaders,
   made directly on the group's store under a private prefix;
-* a ``ProcessGroupGloo`` over all ranks, made on first use (all_to_all only).
+* a ``ProcessGroupGloo`` over all ranks, made on first use with Gloo's lazy connections
+  (all_to_all, and point-to-point between nodes: :mod:`.hierarchy_p2p`);
+* on nodes of equal size, a ``ProcessGroupGloo`` per local rank index, made on first use
+  (the reduce-scatter path of large allreduces: :mod:`.hierarchy_rs`).
 
 Algorithms (``L`` = in-node step through shared memory, ``G`` = among the leaders):
 
@@ -23,7 +26,9 @@ Algorithms (``L`` = in-node step through shared memory, ``G`` = among the leader
   int64 and divides rounding toward zero; AVG divides by the group size; PREMUL_SUM scales
   in the node step: the core's rules (see ``rust/reduce.rs``), applied per level. Results
   are bitwise identical on every rank; they may differ in the last bit from the one-node
-  order (ranks are combined node by node).
+  order (ranks are combined node by node). From ``FLAGOS_SHM_HIER_RS_MIN_BYTES`` on nodes of
+  equal size: L reduce-scatter, Gloo among the ranks of each local rank, L allgather
+  (:mod:`.hierarchy_rs`, which also states the order of each path).
 * broadcast: L broadcast on the root's node, G broadcast from its leader, L broadcast on
   the others. barrier: L barrier, G exchange, L barrier.
 * allgather: L gather to the leader, G allgather (padded to the largest node), L broadcast.
@@ -44,6 +49,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
+import os
 import threading
 import time
 from datetime import timedelta
@@ -59,7 +65,7 @@ from torch._C._distributed_c10d import (
 )
 
 from .. import staging
-from . import options, rendezvous
+from . import hierarchy_p2p, hierarchy_rs, options, rendezvous
 from .collectives.base import attach
 
 __all__ = ["HierarchicalComm"]
@@ -69,9 +75,12 @@ _log = logging.getLogger("flagos_shm")
 SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM = range(9)
 _TORCH = {name: dtype for dtype, name in staging.CORE_DTYPES.items()}
 _DTYPE_CODE = {name: i + 1 for i, name in enumerate(staging.CORE_DTYPES.values())}
-_KINDS = ("barrier", "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather", "scatter", "alltoall")
+_KINDS = ("barrier", "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather", "scatter", "alltoall",
+          "allreduce_rs", "reduce_rs", "reduce_scatter_rs")  # *_rs: hierarchy_rs's path
 _KIND_CODE = {k: i + 1 for i, k in enumerate(_KINDS)}
 _ALLTOALL_NAMES = ("alltoall", "all_to_all_single", "alltoall_base")
+_GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
+_ALL_LOCK = threading.Lock()  # making the all-ranks group (and setting the variable above)
 
 _FLOAT_OPS = {SUM: torch.add, PRODUCT: torch.mul, MIN: torch.minimum, MAX: torch.maximum,
               BAND: torch.bitwise_and, BOR: torch.bitwise_or, BXOR: torch.bitwise_xor}
@@ -226,6 +235,7 @@ class HierarchicalComm:
         self._aborted: Optional[str] = None
         self._closed = False
         self._seq = 0
+        self.last_reduce_path: Optional[str] = None  # of the last allreduce/reduce/reduce-scatter
         self._all: Optional[ProcessGroupGloo] = None
         self._leaders: Optional[ProcessGroupGloo] = None
         try:
@@ -299,6 +309,7 @@ class HierarchicalComm:
         if self._aborted is None:
             self._aborted = why
         self.local.abort()
+        hierarchy_rs.close_columns(self, abort=True)
         groups, self._leaders, self._all = [self._leaders, self._all], None, None
         for pg in groups:
             if pg is not None:
@@ -320,6 +331,7 @@ class HierarchicalComm:
                 pass
         self._worker.join()
         self.local.close()
+        hierarchy_rs.close_columns(self, abort=False)
         for name in ("_leaders", "_all"):
             pg = getattr(self, name)
             setattr(self, name, None)
@@ -363,11 +375,50 @@ class HierarchicalComm:
     def _gloo(self, group: str) -> ProcessGroupGloo:
         pg = self._leaders if group == "leaders" else self._all
         if pg is None and group == "all" and self._aborted is None:
-            pg = self._all = ProcessGroupGloo(dist.PrefixStore(f"{self._layout.base}/gloo-all", self._store),
-                                              self._rank, self._n, timedelta(seconds=self._timeout_s))
+            pg = self._all_group()
         if pg is None:
             raise RuntimeError(f"flagos_shm: the multi-node group was aborted ({self._aborted})")
         return pg
+
+    def _all_group(self) -> ProcessGroupGloo:
+        """The all-ranks Gloo group, made on first use by whichever ranks use it (all-to-all,
+        point-to-point between nodes). Gloo's lazy set-up (``TORCH_GLOO_LAZY_INIT``, read
+        when a group is made) connects a pair when it first talks, so two ranks that only
+        exchange messages need no one else."""
+        with _ALL_LOCK:
+            if self._all is None and self._aborted is None and not self._closed:
+                saved = os.environ.get(_GLOO_LAZY)
+                os.environ[_GLOO_LAZY] = "1"
+                try:
+                    self._all = ProcessGroupGloo(dist.PrefixStore(f"{self._layout.base}/gloo-all", self._store),
+                                                 self._rank, self._n, timedelta(seconds=self._timeout_s))
+                finally:
+                    if saved is None:
+                        os.environ.pop(_GLOO_LAZY, None)
+                    else:
+                        os.environ[_GLOO_LAZY] = saved
+            pg = self._all
+        if pg is None:
+            raise RuntimeError(f"flagos_shm: the multi-node group was aborted or shut down ({self._aborted})")
+        return pg
+
+    # ---- point-to-point between nodes (hierarchy_p2p) -------------------------------------
+
+    def node_of(self, rank: int) -> int:
+        """The node index of group rank ``rank``."""
+        return self._node_of[rank]
+
+    def is_remote(self, peer: int) -> bool:
+        """Whether group rank ``peer`` is on another node than this rank."""
+        return self._node_of[peer] != self._layout.node
+
+    def send_remote(self, peer: int, peer_name: str, data: torch.Tensor, tag: int, deadline: float) -> None:
+        """:func:`hierarchy_p2p.send` over the all-ranks Gloo group."""
+        hierarchy_p2p.send(self._all_group(), peer, peer_name, data, tag, deadline)
+
+    def recv_remote(self, peer: int, peer_name: str, data: torch.Tensor, tag: int, deadline: float) -> None:
+        """:func:`hierarchy_p2p.recv` over the all-ranks Gloo group."""
+        hierarchy_p2p.recv(self._all_group(), peer, peer_name, data, tag, deadline)
 
     def _exchange(self, header: tuple, timeout_s: float, failed: bool = False, group: str = "leaders") -> None:
         """Allgather ``(failed, *header)`` among the leaders (or all ranks); ValueError if a
@@ -515,10 +566,21 @@ class HierarchicalComm:
         self._phases((_KIND_CODE[kind], numel, _DTYPE_CODE[dtype], op, root), t,
                      pre if multi else None, inter, post if multi else None)
 
+    def _reduce_all(self, kind: str, x: torch.Tensor, dtype: str, op: int, factor: float, root: int, t: float) -> None:
+        """An allreduce of ``x`` by the leader path or, for large tensors on nodes of equal
+        size, by in-node reduce-scatter (:mod:`.hierarchy_rs`); records which in
+        ``last_reduce_path`` (``"leader"`` or ``"reduce_scatter"``)."""
+        if hierarchy_rs.eligible(self, x):
+            self.last_reduce_path = "reduce_scatter"
+            hierarchy_rs.allreduce_rs(self, kind, x, dtype, op, factor, root, t)
+        else:
+            self.last_reduce_path = "leader"
+            self._allreduce_job(kind, x, dtype, op, factor, root, t)
+
     def allreduce(self, ptr, nbytes, numel, dtype, op, factor=1.0, timeout_s=None, done=None) -> int:
         t = self._t(timeout_s)
         x = _checked_view("nbytes", ptr, nbytes, numel, dtype)
-        return self._dispatch(lambda: self._allreduce_job("allreduce", x, dtype, op, factor, 0, t), done)
+        return self._dispatch(lambda: self._reduce_all("allreduce", x, dtype, op, factor, 0, t), done)
 
     def reduce(self, ptr, nbytes, numel, dtype, op, root, factor=1.0, timeout_s=None, done=None) -> int:
         t = self._t(timeout_s)
@@ -526,7 +588,7 @@ class HierarchicalComm:
 
         def job() -> None:
             scratch = x.clone()
-            self._allreduce_job("reduce", scratch, dtype, op, factor, root, t)
+            self._reduce_all("reduce", scratch, dtype, op, factor, root, t)
             if self._rank == root:
                 x.copy_(scratch)
         return self._dispatch(job, done)
@@ -539,7 +601,7 @@ class HierarchicalComm:
 
         def job() -> None:
             scratch = inp.clone()
-            self._allreduce_job("reduce_scatter", scratch, dtype, op, factor, 0, t)
+            self._reduce_all("reduce_scatter", scratch, dtype, op, factor, 0, t)
             out.copy_(scratch[self._rank * numel:(self._rank + 1) * numel])
         return self._dispatch(job, done)
 

@@ -93,6 +93,18 @@ def _describe(peer: dict) -> str:
             + (f", FLAGOS_SHM_NODE_ID={peer['node']!r}" if peer.get("node") else ""))
 
 
+def describe_layout(layout: "Layout") -> str:
+    """One line naming every node of ``layout``: its group ranks and host (and
+    ``FLAGOS_SHM_NODE_ID`` where set), e.g. ``2 nodes: node 0 = ranks [0, 1] on 'hostA';
+    node 1 = ranks [2, 3] on 'hostB'`` (what the set-up log line shows)."""
+    parts = []
+    for k, members in enumerate(layout.nodes):
+        peer = layout.peers[members[0]]
+        where = f"on {peer.get('host')!r}" + (f" (FLAGOS_SHM_NODE_ID={peer['node']!r})" if peer.get("node") else "")
+        parts.append(f"node {k} = ranks {members} {where}")
+    return f"{len(layout.nodes)} node{'s' if len(layout.nodes) > 1 else ''}: " + "; ".join(parts)
+
+
 def _store_wait(store: dist.Store, keys, deadline: float, what: str, watch: Callable[[], dict],
                 failure: Optional[str] = None) -> None:
     """Wait until every key of ``keys`` is in ``store``, polling, at most until ``deadline``.

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -28,7 +29,9 @@ from torch.distributed.constants import default_pg_timeout
 from ... import _core, staging
 from ...work import ShmWork
 from .. import config, options
-from ..rendezvous import rendezvous
+from ..rendezvous import describe_layout, rendezvous
+
+_log = logging.getLogger("flagos_shm")
 
 __all__ = ["CollectiveBase"]
 
@@ -148,6 +151,9 @@ class CollectiveBase:
         except RuntimeError as exc:  # a store wait timed out, a rank exited, or rank 0 failed to create
             raise options.with_context(exc, f"{where}: setting up: {exc}") from exc
         self._layout = layout
+        if _log.isEnabledFor(logging.INFO):  # how a user checks where the ranks of a group are
+            _log.info("%s: %s; this rank is local rank %d of %d on node %d", where, describe_layout(layout),
+                      layout.local_rank, layout.local_size, layout.node)
         # group rank -> process id (0 unknown), for point-to-point
         self._pids = [int(peer.get("pid", 0)) for peer in layout.peers]
         if layout.single_node:

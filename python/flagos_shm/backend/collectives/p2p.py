@@ -39,7 +39,7 @@ import torch
 
 from ... import _compat, _core, staging
 from ...work import ShmWork
-from .. import options
+from .. import hierarchy_p2p, options
 from ..config import segment_config
 from .base import CollectiveBase
 
@@ -302,9 +302,34 @@ class PointToPoint(CollectiveBase):
             self._order_after([tensor])
         return tensor
 
-    def _issue(self, name: str, tensor, key, job, abort_peers) -> P2PWork:
+    def _remote(self, peer: int) -> bool:
+        """Whether ``peer`` is on another node (a group spanning nodes: Gloo, not a channel)."""
+        is_remote = getattr(self._comm, "is_remote", None)
+        return is_remote is not None and is_remote(peer)
+
+    def _remote_issue(self, name: str, tensor, buf, peer: int, tag, direction: str) -> P2PWork:
+        """Issue a send or receive to a peer on another node (:mod:`..hierarchy_p2p`): one
+        worker per (peer, direction, tag), so that a receive never waits behind a message of
+        another tag. Ctrl-C in ``wait()`` aborts the whole group (Gloo cannot abort one pair)."""
+        comm = self._comm
+        peer_name = f"group rank {peer} (node {comm.node_of(peer)})"
+        tag = hierarchy_p2p.check_tag(tag, peer_name)
+        data = hierarchy_p2p.byte_view(buf.ptr, buf.nbytes)
+
+        def job(box, deadline, timeout_s):
+            if direction == "send":
+                comm.send_remote(peer, peer_name, data, tag, deadline)
+                return self._rank
+            comm.recv_remote(peer, peer_name, data, tag, deadline)
+            buf.finish()
+            return peer
+
+        return self._issue(name, tensor, (peer, direction, tag), job, None,
+                           abort=lambda: comm.abort(f"{name} with {peer_name} was interrupted"))
+
+    def _issue(self, name: str, tensor, key, job, abort_peers, abort=None) -> P2PWork:
         box = self._p2p()
-        work = P2PWork([tensor], pending=True, abort=lambda: box.abort(abort_peers))
+        work = P2PWork([tensor], pending=True, abort=abort or (lambda: box.abort(abort_peers)))
         deadline_s = self._timeout_s
 
         def run() -> None:
@@ -326,6 +351,8 @@ class PointToPoint(CollectiveBase):
         when ``dstRank``'s matching receive has taken it."""
         tensor = self._p2p_check("send", tensors, dstRank, "dstRank")
         buf = staging.stage(tensor, "tensors[0]", read=True)
+        if self._remote(dstRank):
+            return self._remote_issue("send", tensor, buf, dstRank, tag, "send")
         tag = int(tag)
 
         def job(box, deadline, timeout_s):
@@ -340,6 +367,8 @@ class PointToPoint(CollectiveBase):
         ``tensors[0]`` (the sizes must match)."""
         tensor = self._p2p_check("recv", tensors, srcRank, "srcRank")
         buf = staging.stage(tensor, "tensors[0]", read=False, write=True)
+        if self._remote(srcRank):
+            return self._remote_issue("recv", tensor, buf, srcRank, tag, "recv")
         tag = int(tag)
 
         def job(box, deadline, timeout_s):
@@ -356,6 +385,11 @@ class PointToPoint(CollectiveBase):
         tensor = self._p2p_check("recv_anysource", tensors, None, "")
         if self._world_size < 2:
             raise ValueError(f"recv_anysource: group {self._group_name!r} has no other rank to receive from")
+        remote = [r for r in range(self._world_size) if r != self._rank and self._remote(r)]
+        if remote:
+            raise NotImplementedError(f"recv_anysource: group {self._group_name!r} spans nodes (group ranks "
+                                      f"{remote} are on other nodes); flagos_shm receives from any source only "
+                                      "inside one node: pass the source rank")
         buf = staging.stage(tensor, "tensors[0]", read=False, write=True)
         tag = int(tag)
         peers = [r for r in range(self._world_size) if r != self._rank]
@@ -388,6 +422,8 @@ class PointToPoint(CollectiveBase):
     def shutdown(self) -> None:
         box = self._mailbox
         if box is not None:
+            if box.inflight and hasattr(self._comm, "is_remote"):  # Gloo waits cannot be cut short one by one
+                self._comm.abort("the group was shut down with point-to-point transfers in flight")
             box.close()
         super().shutdown()
 
