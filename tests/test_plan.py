@@ -56,6 +56,7 @@ def test_decide_switches_only_on_a_clear_margin_at_every_larger_size():
 
 def test_cache_round_trip_ignores_corrupt_and_foreign_entries(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("FLAGOS_SHM_CACHE_DIR", raising=False)
     key = plan.machine_key(2, 262144, True)
     assert plan.load_cached(key) is None
     p = dict(plan.FALLBACK, allreduce_single_copy_min_bytes=None)
@@ -99,7 +100,7 @@ def _group_plan(env: dict, allreduce_bytes: int = 1 << 20):
 
 
 def measured_then_cached(cache: str):
-    env = {"FLAGOS_SHM_PLAN": "auto", "XDG_CACHE_HOME": cache}
+    env = {"FLAGOS_SHM_PLAN": "auto", "FLAGOS_SHM_CACHE_DIR": os.path.join(cache, "flagos_shm")}
     return [_group_plan(env), _group_plan(env)]
 
 

@@ -51,8 +51,7 @@ FALLBACK: Dict[str, Optional[int]] = {"one_shot_max_bytes": 256 << 10,
                                       "allgather_single_copy_min_bytes": 256 << 10,
                                       "reduce_scatter_single_copy_min_bytes": 256 << 10}
 #: Sizes S (bytes) the calibration measures (larger messages follow the largest): a 4x
-#: grid, so a threshold falls at the
-#: geometric middle (2x) between two measured sizes.
+#: grid, so a threshold falls at the geometric middle (2x) between two measured sizes.
 GRID = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 #: An alternative is chosen only when it is faster by this factor at its size and every
 #: larger measured size: near a boundary the default stays, so noise does not flip plans.
@@ -63,7 +62,10 @@ _NEVER = None
 
 
 def cache_dir() -> str:
-    """``$XDG_CACHE_HOME/flagos_shm`` (default ``~/.cache/flagos_shm``)."""
+    """``$FLAGOS_SHM_CACHE_DIR`` (as the emulator's cache), else ``$XDG_CACHE_HOME/flagos_shm``,
+    else ``~/.cache/flagos_shm``."""
+    if os.environ.get("FLAGOS_SHM_CACHE_DIR"):
+        return os.environ["FLAGOS_SHM_CACHE_DIR"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "flagos_shm")
 
