@@ -42,7 +42,8 @@ def measure_xcopy(sizes: Sequence[int], plan, rank: int, ctrl, n: int) -> List[d
     mapped = top + 4096  # the data, then a page holding the flag and the acknowledgement
     path = None
     if rank == 0:
-        fd, path = tempfile.mkstemp(prefix="flagos_shm_bench-xcopy-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        fd, path = tempfile.mkstemp(prefix="flagos_shm_bench-xcopy-", dir=shm)
         os.ftruncate(fd, mapped)
         os.close(fd)
     names = [path]
