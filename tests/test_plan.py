@@ -99,21 +99,35 @@ def _group_plan(env: dict, allreduce_bytes: int = 1 << 20):
                 os.environ[k] = v
 
 
-def measured_then_cached(cache: str):
+def measured_then_cached(cache: str, busy: bool):
     env = {"FLAGOS_SHM_PLAN": "auto", "FLAGOS_SHM_CACHE_DIR": os.path.join(cache, "flagos_shm")}
-    return [_group_plan(env), _group_plan(env)]
+    plan.BUSY_MARGIN = float("-inf") if busy else float("inf")  # pretend the load was high / low
+    try:
+        return [_group_plan(env), _group_plan(env)]
+    finally:
+        plan.BUSY_MARGIN = 1.0
 
 
 def test_plan_is_measured_once_cached_and_the_same_on_every_rank(worlds, backend, tmp_path):
     if backend != "flagos_shm":
         pytest.skip("flagos_shm's plan")
-    first, second = zip(*worlds(2).run(measured_then_cached, str(tmp_path)))
+    first, second = zip(*worlds(2).run(measured_then_cached, str(tmp_path), False))
     assert [r["source"] for r in first] == ["calibrated"] * 2, first
     assert [r["source"] for r in second] == ["cache"] * 2, second
     assert first[0]["plan"] == first[1]["plan"] == second[0]["plan"] == second[1]["plan"]
     assert all(r["correct"] for r in first + second)
     files = os.listdir(tmp_path / "flagos_shm")
     assert len(files) == 1 and files[0].startswith("plan-")
+
+
+def test_a_plan_measured_on_a_busy_machine_is_used_but_not_cached(worlds, backend, tmp_path):
+    if backend != "flagos_shm":
+        pytest.skip("flagos_shm's plan")
+    first, second = zip(*worlds(2).run(measured_then_cached, str(tmp_path), True))
+    assert [r["source"] for r in first + second] == ["calibrated"] * 4
+    assert first[0]["plan"] == first[1]["plan"] and second[0]["plan"] == second[1]["plan"]
+    assert all(r["correct"] for r in first + second)
+    assert not os.path.exists(tmp_path / "flagos_shm") or os.listdir(tmp_path / "flagos_shm") == []
 
 
 def explicit_and_disagreeing():

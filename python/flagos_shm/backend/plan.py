@@ -10,9 +10,11 @@ When a single-node group is created, its ranks agree on a plan through the group
    this machine (:func:`machine_key`), or "calibrate" (no cache entry, or
    ``FLAGOS_SHM_PLAN=calibrate``), and publishes the outcome;
 3. on "calibrate" every rank runs :func:`calibrate` in lockstep (a fixed sequence of calls
-   with forced paths, about 0.1 s), the per-case median times are reduced with MAX across
+   with forced paths, about 0.1-0.3 s), the per-case times are reduced with MAX across
    the ranks (so every rank holds the same numbers) and every rank derives the same plan
-   from them (:func:`decide`); rank 0 writes the cache.
+   from them (:func:`decide`); rank 0 writes the cache, unless the machine was busy (load
+   average above the CPU count + 1): a plan measured under contention is used by that
+   group but not kept.
 
 ``FLAGOS_SHM_PLAN`` values: ``auto`` (default), ``calibrate`` (measure again, rewrite the
 cache), ``fallback`` (the core's built-in guess, ``_core`` :data:`FALLBACK`; what the test
@@ -33,7 +35,6 @@ import logging
 import os
 import platform
 import re
-import statistics
 import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
@@ -58,6 +59,9 @@ GRID = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
 MARGIN = 0.85
 ROUNDS = 5  # timed rounds (each runs every variant of every case once, alternating)
 CACHE_SCHEMA = 1
+#: A calibration is cached only if the 1-minute load average was at most
+#: max(CPU count, group size) + this when it ended.
+BUSY_MARGIN = 1.0
 _NEVER = None
 
 
@@ -197,8 +201,10 @@ def _set(comm, plan: dict) -> None:
 def calibrate(comm, grid=GRID, rounds: int = ROUNDS) -> Dict[str, Dict[str, List[float]]]:
     """Time every variant of allreduce, allgather and reduce-scatter (float32 SUM) at each
     size of ``grid`` on ``comm``, all ranks together: one warm-up round, then ``rounds``
-    rounds alternating the variants. Returns ``{op: {variant: [median us per size]}}``,
-    the same on every rank (MAX over ranks). Leaves the fallback plan set.
+    rounds alternating the variants. Returns ``{op: {variant: [us per size]}}``: each
+    variant's fastest round (other processes can only add time, so the minimum is the
+    least disturbed estimate), the same on every rank (MAX over ranks). Leaves the
+    fallback plan set.
 
     Must be called by every rank of the group at the same point of its sequence."""
     import torch
@@ -231,7 +237,7 @@ def calibrate(comm, grid=GRID, rounds: int = ROUNDS) -> Dict[str, Dict[str, List
             if r:
                 times[j].append((clock() - t0) / 1e3)
     _set(comm, FALLBACK)
-    med = torch.tensor([statistics.median(t) for t in times], dtype=torch.float64)
+    med = torch.tensor([min(t) for t in times], dtype=torch.float64)
     comm.allreduce(med.data_ptr(), med.numel() * 8, med.numel(), "float64", 4)  # MAX: same on every rank
     out: Dict[str, Dict[str, List[float]]] = {}
     for (op, name, i, _, _), value in zip(cases, med.tolist()):
@@ -294,9 +300,13 @@ def setup(comm, store, rank: int, world_size: int, where: str) -> Tuple[dict, st
         measured = calibrate(comm)
         plan, source = decide(measured), "calibrated"
         if rank == 0:
-            path = store_cached(key, plan, measured)
-            _log.debug("flagos_shm: calibrated in %.3f s (%s): %s; cached in %s",
-                       time.perf_counter() - t0, key, measured, path)
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+            # Measured while other processes compete for the CPUs: use it, do not keep it.
+            busy = load > max(os.cpu_count() or 1, world_size) + BUSY_MARGIN
+            path = None if busy else store_cached(key, plan, measured)
+            _log.debug("flagos_shm: calibrated in %.3f s (%s, load %.1f): %s; %s",
+                       time.perf_counter() - t0, key, load, measured,
+                       f"cached in {path}" if path else "not cached (machine busy or cache not writable)")
     else:
         plan = outcome["plan"]
     if json.loads(mine)["cma_min_bytes"]:  # the legacy override: keep the core's thresholds
