@@ -43,7 +43,7 @@ def test_decide_switches_only_on_a_clear_margin_at_every_larger_size():
     # allgather single-copy faster at 1 MiB but slower at 4 MiB: never.
     m = _measured(base, [10.0, 30.0, 120.0, 480.0], [50.0, 50.0, 90.0, 300.0], base, [20, 50, 100, 700])
     p = plan.decide(m, GRID)
-    assert p["one_shot_max_bytes"] == GRID[1] // 2 - 1
+    assert p["one_shot_max_bytes"] == GRID[1] // 2
     assert p["allreduce_single_copy_min_bytes"] == GRID[2] // 2
     assert p["allgather_single_copy_min_bytes"] is None
     assert p["reduce_scatter_single_copy_min_bytes"] is None  # equal times: no clear win

@@ -70,10 +70,10 @@ def measure_xcopy(sizes: Sequence[int], plan, rank: int, ctrl, n: int) -> List[d
             warmup, iters = iterations(s, plan.iters, plan.warmup)
             iters, warmup = min(iters, XCOPY_MAX_ITERS), min(warmup, 5)
             elapsed = []
+            dist.barrier(group=ctrl)  # every rank, mapped or not: same number of barriers
             if words is not None:
-                dist.barrier(group=ctrl)
                 words.zero_()
-                dist.barrier(group=ctrl)  # both ranks have mapped it and start from zero
+            dist.barrier(group=ctrl)  # ranks 0 and 1 start from zero
             for i in range(1, warmup + iters + 1):
                 if rank == 0:
                     shared[:s].fill_(i & 0xFF)

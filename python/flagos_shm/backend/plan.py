@@ -259,7 +259,7 @@ def decide(measured: Dict[str, Dict[str, List[float]]], grid=GRID) -> dict:
     the same figures derive the same plan."""
     ar = measured["allreduce"]
     two = _switch(ar["one_shot"], ar["two_step"], grid)
-    one_shot_max = (1 << 62) if two is None else max(0, two - 1)
+    one_shot_max = (1 << 62) if two is None else two
     slots = [o if s <= one_shot_max else t for s, o, t in zip(grid, ar["one_shot"], ar["two_step"])]
     plan = {"one_shot_max_bytes": one_shot_max}
     for op, key, base in (("allreduce", KEYS[1], slots),
