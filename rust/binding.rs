@@ -134,10 +134,9 @@ struct PyCommunicator {
     slot_bytes: usize,
     #[pyo3(get)]
     segment_bytes: usize,
-    /// Message size in bytes from which single-copy transfers are used; None when the
-    /// group cannot use them (probed at attach; `FLAGOS_SHM_CMA`, `FLAGOS_SHM_CMA_MIN_BYTES`).
+    /// Whether every rank can read every peer's memory (probed at attach; `FLAGOS_SHM_CMA`).
     #[pyo3(get)]
-    single_copy_min_bytes: Option<usize>,
+    single_copy_available: bool,
     #[pyo3(get)]
     path: String,
 }
@@ -276,7 +275,7 @@ impl PyCommunicator {
             aborter: comm.abort_handle(),
             slot_bytes: comm.slot_bytes(),
             segment_bytes: comm.segment_len(),
-            single_copy_min_bytes: comm.single_copy_min_bytes(),
+            single_copy_available: comm.single_copy_available(),
             inner: Arc::new(Progress::new(comm)),
             owner_pid: std::process::id(),
             pending,
@@ -298,6 +297,55 @@ impl PyCommunicator {
         let t = duration("timeout_s", timeout_s)?;
         self.run(py, None, |c| {
             c.set_timeout(t);
+            Ok(())
+        })
+    }
+
+    /// Allgather message size in bytes (whole output) from which single-copy transfers are
+    /// used; None when the group cannot use them or its plan never does.
+    #[getter]
+    fn single_copy_min_bytes(&self, py: Python<'_>) -> PyResult<Option<usize>> {
+        self.run(py, None, |c| Ok(c.single_copy_min_bytes()))
+    }
+
+    /// The plan later calls use (`rust/plan.rs`): a dict of byte thresholds,
+    /// `one_shot_max_bytes` (allreduce one-shot up to it) and
+    /// `{allreduce,allgather,reduce_scatter}_single_copy_min_bytes` (None: never; also
+    /// None when the group cannot use single-copy transfers).
+    #[getter]
+    fn plan(&self, py: Python<'_>) -> PyResult<std::collections::BTreeMap<&'static str, Option<usize>>> {
+        let p = self.run(py, None, |c| Ok(c.plan()))?;
+        let never = |v: usize| (v != crate::plan::NEVER).then_some(v);
+        Ok([
+            ("one_shot_max_bytes", Some(p.one_shot_max)),
+            ("allreduce_single_copy_min_bytes", never(p.allreduce_single_copy)),
+            ("allgather_single_copy_min_bytes", never(p.allgather_single_copy)),
+            ("reduce_scatter_single_copy_min_bytes", never(p.reduce_scatter_single_copy)),
+        ]
+        .into_iter()
+        .collect())
+    }
+
+    /// Sets the plan of later calls (after every queued call); byte thresholds as in
+    /// `plan`, None meaning never. Every rank must set the same plan before its next
+    /// collective, or calls they move differently raise ValueError (a mismatch) on every rank.
+    fn set_plan(
+        &self,
+        py: Python<'_>,
+        one_shot_max_bytes: usize,
+        allreduce_single_copy_min_bytes: Option<usize>,
+        allgather_single_copy_min_bytes: Option<usize>,
+        reduce_scatter_single_copy_min_bytes: Option<usize>,
+    ) -> PyResult<()> {
+        let never = |v: Option<usize>| v.unwrap_or(crate::plan::NEVER);
+        let plan = crate::plan::Plan {
+            one_shot_max: one_shot_max_bytes,
+            allreduce_single_copy: never(allreduce_single_copy_min_bytes),
+            allgather_single_copy: never(allgather_single_copy_min_bytes),
+            reduce_scatter_single_copy: never(reduce_scatter_single_copy_min_bytes),
+        };
+        self.run(py, None, move |c| {
+            c.set_plan(plan);
             Ok(())
         })
     }

@@ -31,9 +31,9 @@ pub fn enabled_by_env() -> bool {
 /// used (ranks of a group agree on the largest value any of them sets).
 pub const ENV_CMA_MIN_BYTES: &str = "FLAGOS_SHM_CMA_MIN_BYTES";
 
-/// `FLAGOS_SHM_CMA_MIN_BYTES` as a number, or `default` when unset or unparsable.
-pub fn min_bytes_from_env(default: usize) -> usize {
-    std::env::var(ENV_CMA_MIN_BYTES).ok().and_then(|v| v.trim().parse().ok()).unwrap_or(default)
+/// `FLAGOS_SHM_CMA_MIN_BYTES` as a number, or `None` when unset or unparsable.
+pub fn min_bytes_from_env() -> Option<usize> {
+    std::env::var(ENV_CMA_MIN_BYTES).ok().and_then(|v| v.trim().parse().ok())
 }
 
 /// Copies `len` bytes at `remote` in process `pid` into `local`.

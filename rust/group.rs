@@ -7,6 +7,7 @@
 use crate::cma;
 use crate::desc::{check_peer_desc, Desc, Kind, FLAG_FAIL};
 use crate::error::{Error, Result};
+use crate::plan::{Plan, NEVER};
 use crate::reduce::{DType, ReduceOp, Reduction};
 use crate::segment::{self, Segment};
 use crate::sync::{self, WaitCtx};
@@ -38,10 +39,9 @@ pub struct Communicator {
     /// Set after an error that desynchronised the ranks; every later call fails with it.
     pub(crate) broken: Option<String>,
     interrupt: Option<InterruptHook>,
-    /// Allgather/reduce-scatter messages of at least this many bytes (allreduce:
-    /// [`crate::algorithms::ALLREDUCE_CMA_FACTOR`] times as many) use single-copy collectives; `usize::MAX`
-    /// when some rank cannot read some peer's memory (probed at attach, agreed by all).
-    cma_min: usize,
+    /// The thresholds that choose each call's algorithm ([`crate::plan`]); single-copy
+    /// ones apply only when `cma_ok`.
+    plan: Plan,
     /// Whether every probe worked (the group can use single-copy transfers at all).
     cma_ok: bool,
     /// Per-rank chunk buffers of the single-copy reductions (u64 for alignment).
@@ -145,47 +145,85 @@ impl Communicator {
             timeout,
             broken: None,
             interrupt: None,
-            cma_min: usize::MAX,
+            plan: Plan::FALLBACK,
             cma_ok: false,
             scratch: Vec::new(),
         };
-        comm.cma_min = comm.probe_cma()?;
-        comm.cma_ok = comm.cma_min != usize::MAX;
+        let agreed = comm.probe_cma()?;
+        comm.cma_ok = agreed != u64::MAX;
+        if comm.cma_ok && agreed > 0 {
+            comm.plan = comm.plan.with_single_copy_min(usize::try_from(agreed).unwrap_or(NEVER));
+        }
         Ok(comm)
     }
 
-    /// The message size in bytes from which single-copy transfers are used (see [`cma`]),
-    /// or `None` when the group cannot use them.
+    /// The allgather message size in bytes from which single-copy transfers are used (see
+    /// [`cma`]; allreduce and reduce-scatter: [`Self::plan`]), or `None` when the group
+    /// cannot use them or the plan never does.
     pub fn single_copy_min_bytes(&self) -> Option<usize> {
-        (self.cma_min != usize::MAX).then_some(self.cma_min)
+        let p = self.plan();
+        (p.allgather_single_copy != NEVER).then_some(p.allgather_single_copy)
     }
 
-    /// Sets the single-copy threshold (`None`: never use single-copy). Has no effect on a
-    /// group that cannot use single-copy transfers. Every rank of the group must set the
-    /// same value before its next collective (ranks that choose different algorithms
-    /// would deadlock); meant for tests and measurements.
+    /// Sets the legacy single-copy threshold (`None`: never use single-copy):
+    /// [`Plan::with_single_copy_min`] of the current plan. Has no effect on a group that
+    /// cannot use single-copy transfers. Every rank of the group must set the same value
+    /// before its next collective (see [`Self::set_plan`]); meant for tests and measurements.
     pub fn set_single_copy_min_bytes(&mut self, bytes: Option<usize>) {
-        self.cma_min = match bytes {
-            Some(b) if self.cma_ok => b,
-            _ => usize::MAX,
-        };
+        self.plan = self.plan.with_single_copy_min(bytes.unwrap_or(NEVER));
     }
 
-    pub(crate) fn single_copy(&self, bytes: usize) -> bool {
-        bytes >= self.cma_min
+    /// Whether every rank can read every peer's memory (probed at attach, agreed by all;
+    /// `FLAGOS_SHM_CMA=0` on any rank says no).
+    pub fn single_copy_available(&self) -> bool {
+        self.cma_ok
+    }
+
+    /// The plan calls use: the one set, with the single-copy thresholds at [`NEVER`]
+    /// when the group cannot use single-copy transfers.
+    pub fn plan(&self) -> Plan {
+        if self.cma_ok {
+            self.plan
+        } else {
+            self.plan.without_single_copy()
+        }
+    }
+
+    /// Sets the plan of later calls. Every rank of the group must set the same plan before
+    /// its next collective: ranks whose plans move a call differently raise `Mismatch`
+    /// (the transfer path is in the descriptor).
+    pub fn set_plan(&mut self, plan: Plan) {
+        self.plan = plan;
+    }
+
+    /// Whether a call of `kind` moving `bytes` (as the plan counts them) uses single-copy.
+    pub(crate) fn single_copy(&self, kind: Kind, bytes: usize) -> bool {
+        let p = &self.plan;
+        let min = match kind {
+            Kind::Allreduce => p.allreduce_single_copy,
+            Kind::Allgather => p.allgather_single_copy,
+            Kind::ReduceScatter => p.reduce_scatter_single_copy,
+            _ => NEVER,
+        };
+        self.cma_ok && min != NEVER && bytes >= min
+    }
+
+    /// Whether an allreduce of `bytes` takes the one-shot slot algorithm.
+    pub(crate) fn one_shot(&self, bytes: usize) -> bool {
+        self.n < 2 || bytes <= self.plan.one_shot_max
     }
 
     /// Checks, with every rank, that each can read each peer's memory: every rank
     /// publishes the address and value of a random probe word, reads every peer's word
     /// with `process_vm_readv` and publishes whether all reads returned the right values
     /// (which also proves the pid names the right process), together with its own
-    /// threshold (`FLAGOS_SHM_CMA_MIN_BYTES`, default [`crate::algorithms::CMA_MIN_BYTES`]). Two steps of the
-    /// group's sequence; every rank gets the same answer: the largest threshold, or
-    /// `usize::MAX` if any rank failed (or has `FLAGOS_SHM_CMA=0`).
-    fn probe_cma(&mut self) -> Result<usize> {
+    /// threshold (`FLAGOS_SHM_CMA_MIN_BYTES`, 0 when unset). Two steps of the group's
+    /// sequence; every rank gets the same answer: the largest threshold (0: nobody set
+    /// one), or `u64::MAX` if any rank failed (or has `FLAGOS_SHM_CMA=0`).
+    fn probe_cma(&mut self) -> Result<u64> {
         use std::hash::{BuildHasher, Hasher};
         if self.n == 1 {
-            return Ok(usize::MAX);
+            return Ok(u64::MAX);
         }
         let word = Box::new(std::collections::hash_map::RandomState::new().build_hasher().finish() | 1);
         let seg = Arc::clone(&self.seg);
@@ -201,12 +239,12 @@ impl Communicator {
             // SAFETY: `got` is a local u64, valid for 8 bytes of writes.
             ok = unsafe { cma::read(pid, addr, &mut got as *mut u64 as *mut u8, 8) }.is_ok() && got == expect;
         }
-        let mine = if ok { cma::min_bytes_from_env(crate::algorithms::CMA_MIN_BYTES).max(1) } else { usize::MAX };
-        sync::publish_cma(&seg, self.rank, mine as u64);
+        let mine = if ok { cma::min_bytes_from_env().map_or(0, |b| b.max(1) as u64) } else { u64::MAX };
+        sync::publish_cma(&seg, self.rank, mine);
         self.sync(None)?;
         let agreed = (0..self.n).map(|q| sync::read_cma(&seg, q)).max().unwrap_or(u64::MAX);
         drop(word); // every peer has read it: they all passed the second step
-        Ok(usize::try_from(agreed).unwrap_or(usize::MAX))
+        Ok(agreed)
     }
 
     pub fn rank(&self) -> usize {

@@ -4,7 +4,8 @@
 //! [`sync`] (per-rank counters, waits with deadlines, every control-block access) and
 //! [`cma`] (single-copy reads from a peer's process) → [`reduce`] (dtypes, reduce ops,
 //! kernels), [`desc`] (collective descriptors) and [`buffer`] (caller buffers with their
-//! lengths) → [`group`] (a rank's communicator: attach, probe, step plumbing) →
+//! lengths) → [`group`] (a rank's communicator: attach, probe, step plumbing; [`plan`]: the
+//! thresholds that choose each call's algorithm) →
 //! [`algorithms`] (the collectives' checked face and the slot algorithms) and
 //! [`single_copy`] (the `process_vm_readv` algorithms) → [`progress`] (a per-group thread
 //! for asynchronous calls); [`p2p`] (point-to-point channels between two ranks) →
@@ -17,6 +18,7 @@ pub mod desc;
 pub mod error;
 pub mod group;
 pub mod p2p;
+pub mod plan;
 pub mod progress;
 pub mod reduce;
 pub mod segment;
@@ -29,4 +31,5 @@ mod binding;
 pub use algorithms::{Communicator, Kind};
 pub use buffer::Buf;
 pub use error::{Error, Result};
+pub use plan::Plan;
 pub use reduce::{DType, ReduceOp, Reduction};

@@ -21,6 +21,9 @@ import time
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# Groups use the core's fallback plan instead of measuring one (test_plan.py measures):
+# fast, and the same algorithms on every machine. The rank processes inherit it.
+os.environ.setdefault("FLAGOS_SHM_PLAN", "fallback")
 
 from harness import World  # noqa: E402
 

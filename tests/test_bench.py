@@ -210,3 +210,36 @@ def test_plot_written(run):
     with open(png, "rb") as fh:
         assert fh.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.getsize(png) > 10_000
+
+
+@pytest.mark.timeout(200)
+def test_cross_process_copy_and_multiples(run):
+    """The limit: the cross-process copy of every S, each op's time in multiples of it and
+    of the local copy (the same medians divided), and the group's plan."""
+    doc, stdout, _, _ = run
+    cross = {c["size_bytes"]: c["time_us_median"] for c in doc["xcopy_baseline"]}
+    local = {c["size_bytes"]: c["time_us_median"] for c in doc["copy_baseline"]}
+    assert set(cross) == set(local) == {r["size_bytes"] for r in doc["results"]}
+    assert all(v > 0 for v in cross.values())
+    by_key = {(r["backend"], r["op"], r["dtype"], r["size_bytes"]): r["time_us_median"] for r in doc["results"]}
+    assert len(doc["multiples"]) == len(doc["results"])
+    for m in doc["multiples"]:
+        t = by_key[(m["backend"], m["op"], m["dtype"], m["size_bytes"])]
+        assert m["x_cross_copy"] == pytest.approx(t / cross[m["size_bytes"]])
+        assert m["x_local_copy"] == pytest.approx(t / local[m["size_bytes"]])
+    assert doc["plan"]["source"] == "fallback" and doc["plan"]["plan"]["one_shot_max_bytes"] == 256 << 10
+    assert "cross-process copy" in stdout and "flagos_shm plan (fallback)" in stdout
+
+
+@pytest.mark.timeout(200)
+def test_cross_process_copy_with_ranks_that_do_not_take_part(tmp_path):
+    """At world size 3, rank 2 maps nothing but takes the same barriers (it used to hang)."""
+    out = tmp_path / "b.json"
+    cmd = [sys.executable, "-m", "flagos_shm.bench", "--nproc", "3", "--sizes", "4,4096", "--ops", "allreduce",
+           "--backends", "flagos_shm", "--iters", "2", "--warmup", "1", "--timeout", "60", "--job-timeout", "150",
+           "--no-progress", "--json", str(out)]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    with open(out) as fh:
+        doc = json.load(fh)
+    assert [c["size_bytes"] for c in doc["xcopy_baseline"]] == [4, 4096]

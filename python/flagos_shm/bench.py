@@ -77,7 +77,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Callable, List, Optional, Sequence, Tuple
 
-from . import _launch
+from . import _bench_limit, _launch
 from ._bench_common import (ALL_BACKENDS, BANDWIDTH_DEFINITION, DEFAULT_SIZES, DTYPES,
                             ITER_BUDGET_BYTES, KiB, MAX_ITERS, MIN_ITERS, MiB, MPI_DTYPES,
                             OPS, OVERHEAD_ITERS, REFERENCE, SCHEMA, TIME_DEFINITION,
@@ -824,6 +824,7 @@ def format_tables(doc: dict) -> str:
             elif ar:
                 continue  # a size only other ops use (e.g. allgather's n x element)
             lines.append(line)
+    lines += _bench_limit.format_limit(doc)
     ov = doc.get("overhead")
     if ov and "calls" in ov:
         lines.append(f"\nflagos_shm per-call overhead: allreduce of 4 B (one float32), "
@@ -1012,6 +1013,12 @@ def worker(args, argv: Sequence[str]) -> int:
                   f"thread(s) each", flush=True)
 
         copy_rows = measure_copy(copy_sizes, plan, rank, ctrl, progress)
+        if rank == 0:
+            progress.note("cross-process copy baseline (ranks 0 and 1)")
+        xcopy_rows = _bench_limit.measure_xcopy(copy_sizes, plan, rank, ctrl, world_size)
+        plan_info = _bench_limit.plan_info(groups["flagos_shm"]) if "flagos_shm" in groups else None
+        if rank == 0 and plan_info:
+            print(f"flagos_shm plan ({plan_info['source']}): {plan_info['text']}", flush=True)
         overhead = None
         if "flagos_shm" in groups:
             overhead = measure_overhead(groups["flagos_shm"], ctrl, plan, rank, device)
@@ -1073,6 +1080,11 @@ def worker(args, argv: Sequence[str]) -> int:
         "ratios": ratios(results),
         "skipped": skipped,
         "copy_baseline": copy_rows,
+        "xcopy_baseline": xcopy_rows,
+        "xcopy_definition": ("rank 0 writes S bytes into shared memory, rank 1 copies them into its own buffer "
+                             "(1 thread, Tensor.copy_); median"),
+        "multiples": _bench_limit.multiples(results, copy_rows, xcopy_rows),
+        "plan": plan_info,
         "overhead": overhead,
         "mpi": mpi_info,
         "notes": notes,

@@ -1,8 +1,8 @@
 //! Allreduce through the slots: one-shot for small messages (every rank reduces every
-//! chunk), two-step above [`ONE_SHOT_MAX_BYTES`] (reduce-scatter, then allgather of the
+//! chunk), two-step above the plan's `one_shot_max` (reduce-scatter, then allgather of the
 //! reduced slices; see the `algorithms` module docs).
 
-use super::{chunks, slice_bounds, ALLREDUCE_CMA_FACTOR, CMA_CHUNK_BYTES, ONE_SHOT_MAX_BYTES};
+use super::{chunks, slice_bounds, CMA_CHUNK_BYTES};
 use crate::desc::{Kind, Transfer};
 use crate::error::Result;
 use crate::group::Communicator;
@@ -19,12 +19,12 @@ impl Communicator {
         let red = self.reduction(dtype, op, factor)?;
         let mut d = self.begin(Kind::Allreduce, dtype, Some(&red), count, 0)?;
         let es = dtype.size();
-        if self.single_copy((count * es) / ALLREDUCE_CMA_FACTOR) {
+        if self.single_copy(Kind::Allreduce, count * es) {
             d.route(Transfer::SingleCopy, CMA_CHUNK_BYTES);
             // SAFETY: forwarded from this function's contract.
             return unsafe { self.allreduce_single_copy(buf, count, &red, &d) };
         }
-        let two_step = self.n >= 2 && count * es > ONE_SHOT_MAX_BYTES;
+        let two_step = !self.one_shot(count * es);
         let per = self.seg.slot_bytes() / es;
         d.route(if two_step { Transfer::SlotsTwoStep } else { Transfer::Slots }, per * es);
         let mut srcs = vec![std::ptr::null::<u8>(); self.n];

@@ -22,7 +22,7 @@ impl Communicator {
         let kind = if red.is_some() { Kind::ReduceScatter } else { Kind::Alltoall };
         let mut d = self.begin(kind, dtype, red.as_ref(), count, 0)?;
         let es = dtype.size();
-        if let Some(red) = red.as_ref().filter(|_| self.single_copy(self.n * count * es)) {
+        if let Some(red) = red.as_ref().filter(|_| self.single_copy(Kind::ReduceScatter, self.n * count * es)) {
             d.route(Transfer::SingleCopy, CMA_CHUNK_BYTES);
             // SAFETY: forwarded from this function's contract.
             return unsafe { self.reduce_scatter_single_copy(input, output, count, red, &d) };

@@ -25,7 +25,7 @@ impl Communicator {
         let kind = if root.is_some() { Kind::Gather } else { Kind::Allgather };
         let mut d = self.begin(kind, dtype, None, count, root.unwrap_or(0))?;
         let es = dtype.size();
-        if root.is_none() && self.single_copy(self.n * count * es) {
+        if root.is_none() && self.single_copy(Kind::Allgather, self.n * count * es) {
             d.route(Transfer::SingleCopy, count * es);
             // SAFETY: forwarded from this function's contract.
             return unsafe { self.allgather_single_copy(input, output, count * es, &d) };

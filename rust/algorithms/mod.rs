@@ -18,7 +18,10 @@
 //! leaves the ranks at different steps, so it aborts the group for everyone instead.
 //!
 //! Algorithms (n = group size, S = message bytes, per-rank slot of `slot_bytes`):
-//! - allreduce, S <= [`ONE_SHOT_MAX_BYTES`] (or n = 1): one step per chunk: every rank copies its
+//! Which algorithm a call takes at which size S is the group's [`Plan`] (measured per
+//! machine by the c10d backend; [`Plan::FALLBACK`] until one is set).
+//!
+//! - allreduce, S <= the plan's `one_shot_max` (or n = 1): one step per chunk: every rank copies its
 //!   chunk into its slot, then reduces all n slots in rank order into its output.
 //! - allreduce, larger: the reduce-scatter + allgather decomposition of ring allreduce
 //!   (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
@@ -42,6 +45,7 @@ mod rooted;
 
 use crate::buffer::Buf;
 use crate::error::{Error, Result};
+pub use crate::plan::Plan;
 use crate::reduce::{DType, ReduceOp};
 use crate::segment;
 use std::path::Path;
@@ -49,31 +53,13 @@ use std::path::Path;
 pub use crate::desc::{check_peer_desc, Desc, Kind, Transfer};
 pub use crate::group::{AbortHandle, Communicator, InterruptHook, ATTACH_STEPS};
 
-/// Allreduce messages up to this many bytes use the one-shot algorithm. Below it the
-/// second synchronisation of the two-step algorithm costs more than the redundant
-/// reduction it saves (DeepSpeed and vLLM switch in the same range; tune with
-/// `cargo bench` / `python -m flagos_shm.bench`). Above it the two-step algorithm wins
-/// also with 2 ranks, where it copies in and reduces half the chunk: 2 processes, core
-/// alone, 1 MiB float32 SUM, median of 2000 calls: 161 us one-shot, 152 us two-step.
-pub const ONE_SHOT_MAX_BYTES: usize = 256 * 1024;
+/// The fallback plan's one-shot allreduce limit ([`Plan::FALLBACK`]; the group's own is
+/// [`Communicator::plan`]).
+pub const ONE_SHOT_MAX_BYTES: usize = Plan::FALLBACK.one_shot_max;
 
-/// Allgather and reduce-scatter messages of at least this many bytes (the allgather's
-/// output, the reduce-scatter's input) use single-copy transfers (`cma`) when the group
-/// supports them; smaller ones go through the slots, where a synchronisation and a copy
-/// cost less than the system calls. Allreduce switches at [`ALLREDUCE_CMA_FACTOR`] times
-/// this size. Broadcast always uses the slots: its chunks pipeline (the root fills chunk
-/// k + 1 while peers copy chunk k out), which beat one `process_vm_readv` per peer.
-///
-/// Source: `python -m flagos_shm.bench --bind` at world size 2 on our 2-vCPU VMs with
-/// `FLAGOS_SHM_CMA=0` and `1` alternately (median us, slots / single-copy): allgather 42 /
-/// 28 at 256 KiB, 139 / 81 at 1 MiB, 1955 / 1385 at 16 MiB; reduce-scatter 39 / 28 at
-/// 256 KiB, 1876 / 1369 at 16 MiB; allreduce 51 / 60 at 256 KiB, about equal at 1 MiB,
-/// 717 / 602 at 4 MiB, 2761 / 2192 at 16 MiB; broadcast 1358 / 1623 at 16 MiB.
-pub const CMA_MIN_BYTES: usize = 256 * 1024;
-
-/// Allreduce uses single-copy transfers from this multiple of the group's
-/// single-copy threshold (2 MiB by default; see [`CMA_MIN_BYTES`]).
-pub const ALLREDUCE_CMA_FACTOR: usize = 8;
+/// The fallback plan's single-copy threshold of allgather and reduce-scatter
+/// ([`Plan::FALLBACK`]); a group measures its own (`crate::plan`).
+pub const CMA_MIN_BYTES: usize = Plan::FALLBACK.allgather_single_copy;
 
 /// Bytes per peer read at a time by the single-copy reductions (64 KiB to 1 MiB measured
 /// within noise of each other).

@@ -26,6 +26,9 @@ Variables:
         :data:`DEFAULT_HIER_RS_MIN_BYTES`; ``0`` always, ``off`` never; see
         :mod:`flagos_shm.backend.hierarchy_rs`).
         Every rank must use the same value (a disagreement raises ValueError on every rank).
+    FLAGOS_SHM_PLAN: ``auto`` (default: measured once per machine and cached), ``calibrate``,
+        ``fallback`` or explicit thresholds: which algorithm each collective uses at which
+        size (:mod:`flagos_shm.backend.plan`). Every rank must set the same value.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ ENV_HIER_RS_MIN_BYTES = "FLAGOS_SHM_HIER_RS_MIN_BYTES"
 #: docs/multinode.md, where the reduce-scatter path loses up to 1 MiB, ties at 4 MiB and wins
 #: at 16 MiB (a pessimistic setting for it: its parallel Gloo steps share 2 CPUs there).
 DEFAULT_HIER_RS_MIN_BYTES = 4 << 20
+ENV_PLAN = "FLAGOS_SHM_PLAN"
 DEFAULT_DIR = "/dev/shm"
 ROUTES = ("auto", "backend", "process_group")
 

@@ -28,7 +28,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from ... import _core, staging
 from ...work import ShmWork
-from .. import config, options
+from .. import config, options, plan
 from ..rendezvous import describe_layout, rendezvous
 
 _log = logging.getLogger("flagos_shm")
@@ -158,6 +158,11 @@ class CollectiveBase:
         self._pids = [int(peer.get("pid", 0)) for peer in layout.peers]
         if layout.single_node:
             self._comm = attach(layout, timeout_s, where)
+            try:
+                self._plan, self._plan_source = plan.setup(self._comm, store, rank, world_size, where)
+            except BaseException:
+                self._comm.close()
+                raise
         else:  # the group spans nodes: shared memory inside each, Gloo between them
             from ..hierarchy import HierarchicalComm
 

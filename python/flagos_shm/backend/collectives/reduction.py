@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import torch
+from torch._C import _distributed_c10d as c10d
 
 from ... import staging
 from ...work import ShmWork
 from .. import options
 from .base import CollectiveBase
+
+#: Returned by :meth:`Reduction._allreduce_fast` when the call is not the common case.
+SLOW = object()
+_ALLREDUCE_OPTIONS = c10d.AllreduceOptions
+_CORE_DTYPES = staging.CORE_DTYPES  # real dtypes only: complex tensors take the full path
+_UNSET_TIMEOUT = options._UNSET_TIMEOUT
 
 
 class Reduction(CollectiveBase):
@@ -29,6 +36,41 @@ class Reduction(CollectiveBase):
         comm = self._comm
         return self._run(name, [buf.tensor], [buf], [lambda done: comm.allreduce(
             buf.ptr, buf.nbytes, buf.numel, buf.dtype, a.op, a.factor, a.timeout_s, done)], opts)
+
+    def _allreduce_fast(self, tensors, opts):
+        """The common case of :meth:`allreduce`, with the same checks spelled out for it:
+        a list of one contiguous, non-negated CPU tensor of a real core dtype (exact
+        ``torch.Tensor``), exact ``AllreduceOptions`` with an op already accepted for that
+        dtype (not PREMUL_SUM), no per-call timeout, a synchronous call (or async off),
+        nothing pending or coalescing, an open group. Runs the core call inline; returns
+        what :meth:`allreduce` would, or :data:`SLOW` (nothing done) for any other call."""
+        if (type(tensors) is not list or len(tensors) != 1 or type(opts) is not _ALLREDUCE_OPTIONS
+                or self._pending or self._closed or self._coalesced is not None):
+            return SLOW
+        t = tensors[0]
+        if type(t) is not torch.Tensor or not t.is_cpu:
+            return SLOW
+        dtype = _CORE_DTYPES.get(t.dtype)
+        if (dtype is None or t.layout != torch.strided or not t.is_contiguous() or t.is_neg()
+                or (opts.asyncOp is True and self._async) or opts.timeout != _UNSET_TIMEOUT):
+            return SLOW
+        op, _ = options.reduce_op(opts.reduceOp)
+        if op == options.PREMUL_SUM or (op, t.dtype) not in options._VALID_OP_DTYPES:
+            return SLOW
+        numel = t.numel()
+        error = None
+        try:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the process group has been shut down")
+                self._comm.allreduce(t.data_ptr(), numel * t.element_size(), numel, dtype, op)
+        except Exception as exc:
+            error = self._error("allreduce", exc)
+        if self._sync_returns_none:
+            if error is not None:
+                raise error
+            return None
+        return ShmWork([t], error)
 
     def allreduce_coalesced(self, tensors, opts=None) -> ShmWork:
         """Reduce each tensor of ``tensors`` (one dtype) in place; one collective per tensor."""

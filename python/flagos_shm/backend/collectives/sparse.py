@@ -18,6 +18,7 @@ import torch
 from ... import staging
 from ...work import ShmWork
 from .base import CollectiveBase
+from .reduction import SLOW
 
 __all__ = ["SparseReduction"]
 
@@ -30,6 +31,10 @@ class SparseReduction(CollectiveBase):
     """allreduce of sparse COO tensors (SUM)."""
 
     def allreduce(self, tensors, opts=None, timeout=None) -> ShmWork:
+        if timeout is None:
+            done = self._allreduce_fast(tensors, opts)  # one contiguous CPU tensor: see Reduction
+            if done is not SLOW:
+                return done
         tensor = tensors if isinstance(tensors, torch.Tensor) else (
             tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else None)
         if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:

@@ -1,0 +1,353 @@
+"""The group's plan: which algorithm each collective uses at which size, measured on this
+machine (see ``rust/plan.rs`` and docs/design.md, "The plan").
+
+When a single-node group is created, its ranks agree on a plan through the group's store:
+
+1. every rank publishes what it asks for: ``FLAGOS_SHM_PLAN`` (``auto`` when unset) and
+   ``FLAGOS_SHM_CMA_MIN_BYTES``; ranks that ask for different things raise ValueError, on
+   every rank, naming the variable and the ranks;
+2. rank 0 resolves the request: an explicit plan, the core's fallback, the plan cached for
+   this machine (:func:`machine_key`), or "calibrate" (no cache entry, or
+   ``FLAGOS_SHM_PLAN=calibrate``), and publishes the outcome;
+3. on "calibrate" every rank runs :func:`calibrate` in lockstep (a fixed sequence of calls
+   with forced paths, about 0.1-0.3 s), the per-case times are reduced with MAX across
+   the ranks (so every rank holds the same numbers) and every rank derives the same plan
+   from them (:func:`decide`); rank 0 writes the cache, unless the machine was busy (load
+   average above the CPU count + 1): a plan measured under contention is used by that
+   group but not kept.
+
+``FLAGOS_SHM_PLAN`` values: ``auto`` (default), ``calibrate`` (measure again, rewrite the
+cache), ``fallback`` (the core's built-in guess, ``_core`` :data:`FALLBACK`; what the test
+suite uses, for speed), or ``key=value`` pairs separated by commas with the keys of
+:data:`KEYS` (short names without ``_min_bytes``/``_bytes`` allowed), values in bytes with
+optional K/M/G suffix or ``never``; missing keys take the fallback's values.
+``FLAGOS_SHM_CMA_MIN_BYTES`` still overrides the single-copy thresholds (allgather and
+reduce-scatter from it, allreduce from 8x it) and ``FLAGOS_SHM_CMA=0`` turns single-copy off.
+The plan is logged at DEBUG level on logger ``flagos_shm``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import re
+import tempfile
+import time
+from typing import Dict, List, Optional, Tuple
+
+from . import config
+
+_log = logging.getLogger("flagos_shm")
+
+KEYS = ("one_shot_max_bytes", "allreduce_single_copy_min_bytes", "allgather_single_copy_min_bytes",
+        "reduce_scatter_single_copy_min_bytes")
+SINGLE_COPY_KEYS = KEYS[1:]
+#: The core's plan before a measured one is set (rust/plan.rs, Plan::FALLBACK).
+FALLBACK: Dict[str, Optional[int]] = {"one_shot_max_bytes": 256 << 10,
+                                      "allreduce_single_copy_min_bytes": 2 << 20,
+                                      "allgather_single_copy_min_bytes": 256 << 10,
+                                      "reduce_scatter_single_copy_min_bytes": 256 << 10}
+#: Sizes S (bytes) the calibration measures (larger messages follow the largest): a 4x
+#: grid, so a threshold falls at the geometric middle (2x) between two measured sizes.
+GRID = (64 << 10, 256 << 10, 1 << 20, 4 << 20)
+#: An alternative is chosen only when it is faster by this factor at its size and every
+#: larger measured size: near a boundary the default stays, so noise does not flip plans.
+MARGIN = 0.85
+ROUNDS = 5  # timed rounds (each runs every variant of every case once, alternating)
+CACHE_SCHEMA = 1
+#: A calibration is cached only if the 1-minute load average was at most
+#: max(CPU count, group size) + this when it ended.
+BUSY_MARGIN = 1.0
+_NEVER = None
+
+
+def cache_dir() -> str:
+    """``$FLAGOS_SHM_CACHE_DIR`` (as the emulator's cache), else ``$XDG_CACHE_HOME/flagos_shm``,
+    else ``~/.cache/flagos_shm``."""
+    if os.environ.get("FLAGOS_SHM_CACHE_DIR"):
+        return os.environ["FLAGOS_SHM_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "flagos_shm")
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
+
+
+def machine_key(world_size: int, slot_bytes: int, single_copy: bool) -> str:
+    """Identity of what a plan was measured on: CPU model, CPU count, kernel release,
+    group size, slot size and whether single-copy transfers were usable."""
+    parts = [f"schema={CACHE_SCHEMA}", _cpu_model(), f"cpus={os.cpu_count()}", platform.release(),
+             f"n={world_size}", f"slot={slot_bytes}", f"cma={int(single_copy)}"]
+    return "|".join(parts)
+
+
+def _cache_path(key: str) -> str:
+    return os.path.join(cache_dir(), f"plan-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json")
+
+
+def valid_plan(plan) -> bool:
+    """Whether ``plan`` is a dict with exactly :data:`KEYS`, each a non-negative int (the
+    single-copy ones may be None)."""
+    if not isinstance(plan, dict) or set(plan) != set(KEYS):
+        return False
+    ok = lambda v, none: (v is None and none) or (type(v) is int and v >= 0)  # noqa: E731
+    return ok(plan["one_shot_max_bytes"], False) and all(ok(plan[k], True) for k in SINGLE_COPY_KEYS)
+
+
+def load_cached(key: str) -> Optional[dict]:
+    """The cached plan of ``key``, or None (missing, unreadable or corrupt: ignored)."""
+    path = _cache_path(key)
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("key") != key or not valid_plan(doc.get("plan")):
+        _log.debug("flagos_shm: ignoring corrupt plan cache %s", path)
+        return None
+    return doc["plan"]
+
+
+def store_cached(key: str, plan: dict, measured: dict) -> Optional[str]:
+    """Write the cache entry of ``key`` atomically (a temporary file renamed over it, so
+    concurrent writers and readers never see a partial file). Returns the path, or None
+    when the directory is not writable (then the next group measures again)."""
+    path = _cache_path(key)
+    doc = {"key": key, "plan": plan, "measured_us": measured,
+           "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".plan-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as fh:
+                json.dump(doc, fh, indent=1)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+    except OSError as exc:
+        _log.debug("flagos_shm: cannot write plan cache %s: %s", path, exc)
+        return None
+    return path
+
+
+def _bytes(text: str, what: str) -> Optional[int]:
+    if text.strip().lower() in ("never", "none", "inf"):
+        return None
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise ValueError(f"{config.ENV_PLAN}: {what}={text!r}: expected bytes (e.g. 262144, 256K, 2M) or 'never'")
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+
+
+def parse(text: str):
+    """``FLAGOS_SHM_PLAN`` -> ``"auto"``, ``"calibrate"``, ``"fallback"`` or a plan dict.
+
+    Raises:
+        ValueError: unknown word or key, malformed value (the message names the variable).
+    """
+    word = text.strip().lower()
+    if word in ("", "auto"):
+        return "auto"
+    if word in ("calibrate", "fallback"):
+        return word
+    if word == "default":
+        return "fallback"
+    plan = dict(FALLBACK)
+    short = {k.replace("_min_bytes", "").replace("_bytes", ""): k for k in KEYS}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        name, sep, value = item.partition("=")
+        key = short.get(name.strip(), name.strip())
+        if not sep or key not in KEYS:
+            raise ValueError(f"{config.ENV_PLAN}={text!r}: {item!r}: expected auto, calibrate, fallback or "
+                             f"key=value pairs with keys {', '.join(short)}")
+        plan[key] = _bytes(value, name.strip())
+    if plan["one_shot_max_bytes"] is None:
+        plan["one_shot_max_bytes"] = 1 << 62
+    return plan
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def _variants(single_copy: bool) -> Dict[str, List[Tuple[str, dict]]]:
+    """Per op, the variants to time, each as the plan that forces it."""
+    slots = dict(FALLBACK, **{k: _NEVER for k in SINGLE_COPY_KEYS})
+    big = 1 << 62
+    out = {"allreduce": [("one_shot", dict(slots, one_shot_max_bytes=big)),
+                         ("two_step", dict(slots, one_shot_max_bytes=0))],
+           "allgather": [("slots", slots)], "reduce_scatter": [("slots", slots)]}
+    if single_copy:
+        out["allreduce"].append(("single_copy", dict(slots, allreduce_single_copy_min_bytes=0)))
+        out["allgather"].append(("single_copy", dict(slots, allgather_single_copy_min_bytes=0)))
+        out["reduce_scatter"].append(("single_copy", dict(slots, reduce_scatter_single_copy_min_bytes=0)))
+    return out
+
+
+def _set(comm, plan: dict) -> None:
+    comm.set_plan(*(plan[k] for k in KEYS))
+
+
+def calibrate(comm, grid=GRID, rounds: int = ROUNDS) -> Dict[str, Dict[str, List[float]]]:
+    """Time every variant of allreduce, allgather and reduce-scatter (float32 SUM) at each
+    size of ``grid`` on ``comm``, all ranks together: one warm-up round, then ``rounds``
+    rounds alternating the variants. Returns ``{op: {variant: [us per size]}}``: each
+    variant's fastest round (other processes can only add time, so the minimum is the
+    least disturbed estimate), the same on every rank (MAX over ranks). Leaves the
+    fallback plan set.
+
+    Must be called by every rank of the group at the same point of its sequence."""
+    import torch
+
+    n = comm.world_size
+    variants = _variants(bool(comm.single_copy_available))
+    top = max(grid)
+    buf = torch.zeros(top // 4, dtype=torch.float32)
+    half = torch.zeros(max(1, top // 4 // n), dtype=torch.float32)
+    cases = []  # (op, variant, size index, call)
+    for i, s in enumerate(grid):
+        count = s // 4
+        per = max(1, count // n)
+        ar = lambda c=count: comm.allreduce(buf.data_ptr(), c * 4, c, "float32", 0)  # noqa: E731
+        ag = lambda p=per: comm.allgather(half.data_ptr(), p * 4, buf.data_ptr(), p * 4 * n, p, "float32")  # noqa: E731
+        rs = lambda p=per: comm.reduce_scatter(buf.data_ptr(), p * 4 * n, half.data_ptr(), p * 4, p,  # noqa: E731
+                                               "float32", 0)
+        for op, call in (("allreduce", ar), ("allgather", ag), ("reduce_scatter", rs)):
+            for name, plan in variants[op]:
+                cases.append((op, name, i, plan, call))
+    times: List[List[float]] = [[] for _ in cases]
+    clock = time.perf_counter_ns
+    for r in range(rounds + 1):
+        order = cases if r % 2 == 0 else cases[::-1]
+        index = range(len(cases)) if r % 2 == 0 else range(len(cases) - 1, -1, -1)
+        for j, (_, _, _, plan, call) in zip(index, order):
+            _set(comm, plan)
+            t0 = clock()
+            call()
+            if r:
+                times[j].append((clock() - t0) / 1e3)
+    _set(comm, FALLBACK)
+    med = torch.tensor([min(t) for t in times], dtype=torch.float64)
+    comm.allreduce(med.data_ptr(), med.numel() * 8, med.numel(), "float64", 4)  # MAX: same on every rank
+    out: Dict[str, Dict[str, List[float]]] = {}
+    for (op, name, i, _, _), value in zip(cases, med.tolist()):
+        out.setdefault(op, {}).setdefault(name, [0.0] * len(grid))[i] = round(value, 2)
+    return out
+
+
+def _switch(base: List[float], alt: List[float], grid) -> Optional[int]:
+    """The threshold from which ``alt`` wins clearly at every larger measured size (the
+    geometric middle below the first such size), or None."""
+    k = len(grid)
+    while k > 0 and alt[k - 1] < MARGIN * base[k - 1]:
+        k -= 1
+    return None if k == len(grid) else grid[k] // 2
+
+
+def decide(measured: Dict[str, Dict[str, List[float]]], grid=GRID) -> dict:
+    """The plan implied by :func:`calibrate`'s figures; a pure function, so ranks holding
+    the same figures derive the same plan."""
+    ar = measured["allreduce"]
+    two = _switch(ar["one_shot"], ar["two_step"], grid)
+    one_shot_max = (1 << 62) if two is None else two
+    slots = [o if s <= one_shot_max else t for s, o, t in zip(grid, ar["one_shot"], ar["two_step"])]
+    plan = {"one_shot_max_bytes": one_shot_max}
+    for op, key, base in (("allreduce", KEYS[1], slots),
+                          ("allgather", KEYS[2], measured["allgather"]["slots"]),
+                          ("reduce_scatter", KEYS[3], measured["reduce_scatter"]["slots"])):
+        alt = measured[op].get("single_copy")
+        plan[key] = None if alt is None else _switch(base, alt, grid)
+    return plan
+
+
+# ----------------------------------------------------------------------------- agreement
+
+def _request() -> str:
+    return json.dumps({"plan": os.environ.get(config.ENV_PLAN, "").strip() or "auto",
+                       "cma_min_bytes": os.environ.get("FLAGOS_SHM_CMA_MIN_BYTES", "").strip()})
+
+
+def setup(comm, store, rank: int, world_size: int, where: str) -> Tuple[dict, str]:
+    """Agree on the group's plan (module docstring) and set it on ``comm``. Every rank of
+    the group calls this right after attaching. Returns ``(plan, source)``, source one of
+    ``"env"``, ``"fallback"``, ``"cache"``, ``"calibrated"``.
+
+    Raises:
+        ValueError: ``FLAGOS_SHM_PLAN`` is malformed (on the ranks that set it), or the
+            ranks asked for different plans (on every rank).
+    """
+    mine = _request()
+    parse(json.loads(mine)["plan"])  # malformed: raise here, before publishing anything
+    store.set(f"plan/request/{rank}", mine)
+    if rank == 0:
+        store.set("plan/outcome", _resolve(comm, store, world_size, mine))
+    outcome = json.loads(store.get("plan/outcome"))
+    if "error" in outcome:
+        raise ValueError(f"{where}: {outcome['error']}")
+    key, source = outcome.get("key"), outcome["source"]
+    if source == "calibrate":
+        t0 = time.perf_counter()
+        measured = calibrate(comm)
+        plan, source = decide(measured), "calibrated"
+        if rank == 0:
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+            # Measured while other processes compete for the CPUs: use it, do not keep it.
+            busy = load > max(os.cpu_count() or 1, world_size) + BUSY_MARGIN
+            path = None if busy else store_cached(key, plan, measured)
+            _log.debug("flagos_shm: calibrated in %.3f s (%s, load %.1f): %s; %s",
+                       time.perf_counter() - t0, key, load, measured,
+                       f"cached in {path}" if path else "not cached (machine busy or cache not writable)")
+    else:
+        plan = outcome["plan"]
+    if json.loads(mine)["cma_min_bytes"]:  # the legacy override: keep the core's thresholds
+        legacy = comm.plan
+        plan = dict(plan, **{k: legacy[k] for k in SINGLE_COPY_KEYS})
+    _set(comm, plan)
+    _log.debug("%s: plan %s (%s)", where, describe(comm.plan), source)
+    return comm.plan, source
+
+
+def _resolve(comm, store, world_size: int, mine: str) -> str:
+    requests = [store.get(f"plan/request/{r}").decode() for r in range(world_size)]
+    differ = [r for r, req in enumerate(requests) if req != mine]
+    if differ:
+        return json.dumps({"error": f"ranks disagree on {config.ENV_PLAN} / FLAGOS_SHM_CMA_MIN_BYTES: rank 0 "
+                                    f"has {json.loads(mine)}, ranks {differ} have "
+                                    f"{[json.loads(requests[r]) for r in differ]}; set the same on every rank"})
+    asked = parse(json.loads(mine)["plan"])
+    if world_size == 1 and not isinstance(asked, dict):  # nothing to choose between
+        return json.dumps({"source": "fallback", "plan": FALLBACK})
+    if isinstance(asked, dict):
+        return json.dumps({"source": "env", "plan": asked})
+    if asked == "fallback":
+        return json.dumps({"source": "fallback", "plan": FALLBACK})
+    key = machine_key(world_size, comm.slot_bytes, bool(comm.single_copy_available))
+    cached = load_cached(key) if asked == "auto" else None
+    if cached is not None:
+        return json.dumps({"source": "cache", "plan": cached, "key": key})
+    return json.dumps({"source": "calibrate", "key": key})
+
+
+def describe(plan: dict) -> str:
+    """``one-shot allreduce <= 256 KiB, single-copy: allreduce >= 2 MiB, ...``."""
+    def b(v):
+        if v is None or v >= 1 << 60:
+            return "never"
+        for unit, s in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+            if v >= 1 << s and v % (1 << s) == 0:
+                return f"{v >> s} {unit}"
+        return f"{v} B"
+    one = plan["one_shot_max_bytes"]
+    return (f"allreduce one-shot up to {'any size' if one >= 1 << 60 else b(one)}, two-step above; single-copy "
+            f"from: allreduce {b(plan[KEYS[1]])}, allgather {b(plan[KEYS[2]])}, "
+            f"reduce_scatter {b(plan[KEYS[3]])}")

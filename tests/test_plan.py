@@ -1,0 +1,174 @@
+"""The group's plan (``flagos_shm.backend.plan``): parsing ``FLAGOS_SHM_PLAN``, the
+decision rule, the per-machine cache, and agreement across the ranks of a group: a plan
+measured once and then read from the cache, the same on every rank; ranks asking for
+different plans raise on every rank; ranks whose plans differ anyway raise a mismatch at
+the first call they would move differently, and the group stays usable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from flagos_shm.backend import plan
+
+pytestmark = pytest.mark.timeout(180)
+GRID = plan.GRID
+
+
+def test_parse_words_and_explicit_thresholds():
+    assert plan.parse("") == "auto" and plan.parse(" Calibrate ") == "calibrate"
+    assert plan.parse("fallback") == plan.parse("default") == "fallback"
+    p = plan.parse("one_shot_max=64K, allgather_single_copy=never,reduce_scatter_single_copy_min_bytes=1M")
+    assert p == dict(plan.FALLBACK, one_shot_max_bytes=65536, allgather_single_copy_min_bytes=None,
+                     reduce_scatter_single_copy_min_bytes=1 << 20)
+    for bad in ("fast", "one_shot_max=", "allreduce=3", "one_shot_max=12X"):
+        with pytest.raises(ValueError, match="FLAGOS_SHM_PLAN"):
+            plan.parse(bad)
+
+
+def _measured(ar_one, ar_two, ar_cma, ag_slots, ag_cma):
+    return {"allreduce": {"one_shot": ar_one, "two_step": ar_two, "single_copy": ar_cma},
+            "allgather": {"slots": ag_slots, "single_copy": ag_cma},
+            "reduce_scatter": {"slots": ag_slots, "single_copy": ag_slots}}
+
+
+def test_decide_switches_only_on_a_clear_margin_at_every_larger_size():
+    base = [10.0, 40.0, 160.0, 640.0]
+    # two-step clearly faster from 256 KiB; single-copy allreduce clearly faster from 1 MiB only;
+    # allgather single-copy faster at 1 MiB but slower at 4 MiB: never.
+    m = _measured(base, [10.0, 30.0, 120.0, 480.0], [50.0, 50.0, 90.0, 300.0], base, [20, 50, 100, 700])
+    p = plan.decide(m, GRID)
+    assert p["one_shot_max_bytes"] == GRID[1] // 2
+    assert p["allreduce_single_copy_min_bytes"] == GRID[2] // 2
+    assert p["allgather_single_copy_min_bytes"] is None
+    assert p["reduce_scatter_single_copy_min_bytes"] is None  # equal times: no clear win
+    # within the margin (10 % faster): the default stays
+    near = [b * 0.9 for b in base]
+    p = plan.decide(_measured(base, near, near, base, near), GRID)
+    assert p["one_shot_max_bytes"] >= 1 << 60 and p["allreduce_single_copy_min_bytes"] is None
+    assert plan.decide(m, GRID) == plan.decide(json.loads(json.dumps(m)), GRID)  # pure
+
+
+def test_cache_round_trip_ignores_corrupt_and_foreign_entries(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("FLAGOS_SHM_CACHE_DIR", raising=False)
+    key = plan.machine_key(2, 262144, True)
+    assert plan.load_cached(key) is None
+    p = dict(plan.FALLBACK, allreduce_single_copy_min_bytes=None)
+    path = plan.store_cached(key, p, {"allreduce": {}})
+    assert path and path.startswith(str(tmp_path / "flagos_shm")) and plan.load_cached(key) == p
+    assert plan.load_cached(plan.machine_key(4, 262144, True)) is None
+    assert [f for f in os.listdir(tmp_path / "flagos_shm") if f.startswith(".plan-")] == []
+    for garbage in ("{not json", json.dumps({"key": key, "plan": {"one_shot_max_bytes": -1}}),
+                    json.dumps({"key": "other", "plan": p})):
+        with open(path, "w") as fh:
+            fh.write(garbage)
+        assert plan.load_cached(key) is None
+
+
+def _group_plan(env: dict, allreduce_bytes: int = 1 << 20):
+    """Create a flagos_shm group with ``env`` set on this rank, check an allreduce on it and
+    return (plan, source), or the ValueError's message."""
+    from flagos_shm.backend import shm_part
+
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        try:
+            g = dist.new_group(ranks=list(range(dist.get_world_size())), backend="flagos_shm")
+        except ValueError as exc:
+            return {"error": str(exc)}
+        pg = shm_part(g, "cpu")
+        t = torch.full((allreduce_bytes // 4,), float(dist.get_rank() + 1))
+        dist.all_reduce(t, group=g)
+        n = dist.get_world_size()
+        ok = bool(torch.all(t == n * (n + 1) / 2))
+        out = {"plan": pg._comm.plan, "source": pg._plan_source, "correct": ok}
+        dist.destroy_process_group(g)
+        return out
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def measured_then_cached(cache: str, busy: bool):
+    env = {"FLAGOS_SHM_PLAN": "auto", "FLAGOS_SHM_CACHE_DIR": os.path.join(cache, "flagos_shm")}
+    plan.BUSY_MARGIN = float("-inf") if busy else float("inf")  # pretend the load was high / low
+    try:
+        return [_group_plan(env), _group_plan(env)]
+    finally:
+        plan.BUSY_MARGIN = 1.0
+
+
+def test_plan_is_measured_once_cached_and_the_same_on_every_rank(worlds, backend, tmp_path):
+    if backend != "flagos_shm":
+        pytest.skip("flagos_shm's plan")
+    first, second = zip(*worlds(2).run(measured_then_cached, str(tmp_path), False))
+    assert [r["source"] for r in first] == ["calibrated"] * 2, first
+    assert [r["source"] for r in second] == ["cache"] * 2, second
+    assert first[0]["plan"] == first[1]["plan"] == second[0]["plan"] == second[1]["plan"]
+    assert all(r["correct"] for r in first + second)
+    files = os.listdir(tmp_path / "flagos_shm")
+    assert len(files) == 1 and files[0].startswith("plan-")
+
+
+def test_a_plan_measured_on_a_busy_machine_is_used_but_not_cached(worlds, backend, tmp_path):
+    if backend != "flagos_shm":
+        pytest.skip("flagos_shm's plan")
+    first, second = zip(*worlds(2).run(measured_then_cached, str(tmp_path), True))
+    assert [r["source"] for r in first + second] == ["calibrated"] * 4
+    assert first[0]["plan"] == first[1]["plan"] and second[0]["plan"] == second[1]["plan"]
+    assert all(r["correct"] for r in first + second)
+    assert not os.path.exists(tmp_path / "flagos_shm") or os.listdir(tmp_path / "flagos_shm") == []
+
+
+def explicit_and_disagreeing():
+    explicit = _group_plan({"FLAGOS_SHM_PLAN": "one_shot_max=1K,allreduce_single_copy=never"}, 64 << 10)
+    other = "fallback" if dist.get_rank() == 0 else "one_shot_max=1K"
+    return explicit, _group_plan({"FLAGOS_SHM_PLAN": other})
+
+
+def test_explicit_plan_and_ranks_asking_for_different_plans(worlds, backend):
+    if backend != "flagos_shm":
+        pytest.skip("flagos_shm's plan")
+    for explicit, disagree in worlds(2).run(explicit_and_disagreeing):
+        assert explicit["source"] == "env" and explicit["correct"]
+        assert explicit["plan"]["one_shot_max_bytes"] == 1024
+        assert explicit["plan"]["allreduce_single_copy_min_bytes"] is None
+        assert "ranks disagree on FLAGOS_SHM_PLAN" in disagree["error"], disagree
+
+
+def different_plans_mismatch():
+    from flagos_shm.backend import shm_part
+
+    comm = shm_part(dist.distributed_c10d._get_default_group())._comm
+    saved = comm.plan
+    keys = plan.KEYS
+    one_shot = 0 if dist.get_rank() == 0 else 1 << 40  # rank 0 two-step, rank 1 one-shot
+    comm.set_plan(one_shot, *(None for _ in keys[1:]))
+    t = torch.full((64 << 8,), float(dist.get_rank() + 1))
+    try:
+        comm.allreduce(t.data_ptr(), t.numel() * 4, t.numel(), "float32", 0)
+        error = None
+    except ValueError as exc:
+        error = str(exc)
+    comm.set_plan(*(saved[k] for k in keys))
+    t.fill_(dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return error, bool(torch.all(t == 3))
+
+
+def test_ranks_with_different_plans_raise_a_mismatch_and_stay_usable(worlds, backend):
+    if backend != "flagos_shm":
+        pytest.skip("flagos_shm's plan")
+    for error, usable in worlds(2).run(different_plans_mismatch):
+        assert error and "two-step" in error and "ranks disagree" in error, error
+        assert usable
