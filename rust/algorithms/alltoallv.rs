@@ -129,10 +129,7 @@ impl Communicator {
                 // the descriptors agree, so every rank wrote 2n words).
                 let tables: Vec<Vec<u64>> = (0..n).map(|r| unsafe { table::read(self.slot(r, p), 2 * n) }).collect();
                 if let Some(m) = disagreement(&tables) {
-                    return Err(Error::Mismatch(format!(
-                        "{}: {m}; no data was exchanged and the group is still usable",
-                        d.describe()
-                    )));
+                    return Err(Error::Mismatch(format!("{}: {m}; no data was exchanged and the group is still usable", d.describe())));
                 }
                 largest = tables.iter().flat_map(|t| t[..n].iter()).map(|&c| usize::try_from(c).unwrap_or(usize::MAX)).max().unwrap_or(0);
             }

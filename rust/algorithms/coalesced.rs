@@ -255,7 +255,8 @@ impl Communicator {
         let slot_bytes = self.seg.slot_bytes();
         d.route(Transfer::Slots, slot_bytes);
         let width = if kind == Kind::ReduceScatterCoalesced { n } else { 1 };
-        let message = |it: &Item| it.count.saturating_mul(it.dtype.size()).saturating_mul(if kind == Kind::AllreduceCoalesced { 1 } else { n });
+        let message =
+            |it: &Item| it.count.saturating_mul(it.dtype.size()).saturating_mul(if kind == Kind::AllreduceCoalesced { 1 } else { n });
         let in_batch: Vec<bool> = items.iter().map(|it| message(it) <= COALESCE_MAX_BYTES).collect();
         let small: Vec<usize> = (0..items.len()).filter(|&i| in_batch[i]).collect();
         let sizes: Vec<(usize, usize)> = small.iter().map(|&i| (items[i].count, items[i].dtype.size())).collect();

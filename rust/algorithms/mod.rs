@@ -52,8 +52,8 @@ use crate::segment;
 use std::path::Path;
 
 pub use crate::desc::{check_peer_desc, Desc, Kind, Transfer};
-pub use coalesced::COALESCE_MAX_BYTES;
 pub use crate::group::{AbortHandle, Communicator, InterruptHook, ATTACH_STEPS};
+pub use coalesced::COALESCE_MAX_BYTES;
 
 /// Allreduce messages up to this many bytes use the one-shot algorithm. Below it the
 /// second synchronisation of the two-step algorithm costs more than the redundant

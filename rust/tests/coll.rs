@@ -103,7 +103,7 @@ fn alltoallv_refuses_short_buffers_bad_lists_and_overlap_by_name() {
         errs.push(c.alltoallv(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), &[2, 2], recv, DType::I32));
         // rank 0's output overlaps its input
         if me == 0 {
-            let mut both = vec![0u32; 6];
+            let mut both = [0u32; 6];
             let (a, b) = both.split_at_mut(2);
             // SAFETY: `a` and `b` are live and 4-byte aligned; the overlap is the point.
             let whole = unsafe { Buf::from_raw_parts(a.as_mut_ptr().cast(), 16) };
@@ -221,7 +221,12 @@ fn a_batch_that_differs_raises_on_every_rank_and_the_group_stays_usable() {
         };
         // a batch of a different length, then one whose tensor is too short on rank 0
         let e2 = c.allreduce_coalesced(&[Buf::from_elems_mut(&mut a)], &[if me == 1 { 7 } else { 8 }], &[DType::F32], ReduceOp::Sum, 1.0);
-        let e3 = c.allgather_coalesced(&[Buf::from_elems(&[1.0f32; 2])], &[Buf::from_elems_mut(&mut a)], &[if me == 0 { 3 } else { 2 }], &[DType::F32]);
+        let e3 = c.allgather_coalesced(
+            &[Buf::from_elems(&[1.0f32; 2])],
+            &[Buf::from_elems_mut(&mut a)],
+            &[if me == 0 { 3 } else { 2 }],
+            &[DType::F32],
+        );
         let mut ok = [1i64; 2];
         c.allreduce_coalesced(&[Buf::from_elems_mut(&mut ok)], &[2], &[DType::I64], ReduceOp::Sum, 1.0).unwrap();
         ([e, e2, e3].map(|e| e.unwrap_err().to_string()), a[..2].to_vec(), ok)
