@@ -4,7 +4,9 @@ Run: ``python benches/coalescing.py [--world 2] [--iters 200] [--fsdp-steps 30]`
 ``--world`` local ranks (a FileStore in a temporary directory), each on
 ``backend="flagos_shm"``, and prints, from rank 0, the median microseconds per call of:
 
-* ``_coalescing_manager`` batches of 64 float32 tensors of 4 KiB: ``all_reduce``
+* ``_coalescing_manager`` batches of 64 float32 tensors of 4 KiB, timed in alternation
+  with the same tensors issued one collective each (what the backend did with a batch
+  before issue 12): ``all_reduce``
   (the backend's ``allreduce_coalesced``), ``all_gather_into_tensor``
   (``all_gather_single_coalesced``), ``reduce_scatter_tensor``
   (``reduce_scatter_single_coalesced``);
@@ -23,6 +25,7 @@ command, the machine and several runs).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -59,16 +62,27 @@ def _decoder(torch, d=128, layers=4):
 
 
 def _median_us(fn, iters, dist):
+    return _interleaved_us([fn], iters, dist)[0]
+
+
+def _interleaved_us(fns, iters, dist):
+    """Median and minimum microseconds per call of each of ``fns``, timed in alternation
+    (so that a load change on the machine hits them alike), each call after a barrier."""
     for _ in range(max(5, iters // 10)):
-        fn()
-    times = []
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
     for _ in range(iters):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return round(times[len(times) // 2] * 1e6, 1)
+        for fn, ts in zip(fns, times):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    out = []
+    for ts in times:
+        ts.sort()
+        out.append(f"median {ts[len(ts) // 2] * 1e6:.1f}, min {ts[0] * 1e6:.1f}")
+    return out
 
 
 def rank_main(rank, world, store, iters, fsdp_steps):
@@ -81,24 +95,27 @@ def rank_main(rank, world, store, iters, fsdp_steps):
     dist.init_process_group("flagos_shm", init_method=f"file://{store}", rank=rank, world_size=world)
     n, res = world, {}
 
-    def batch(tensors, kind):
+    def batch(tensors, kind, coalesce=True):
+        """The batch inside ``_coalescing_manager`` (one backend ``*_coalesced`` call), or
+        (``coalesce=False``) one collective per tensor, as the backend ran a batch before."""
+        manager = dist._coalescing_manager if coalesce else contextlib.nullcontext
         if kind == "allreduce":
             def run():
-                with dist._coalescing_manager():
+                with manager():
                     for t in tensors:
                         dist.all_reduce(t)
         elif kind == "allgather":
             outs = [torch.empty(n * t.numel()) for t in tensors]
 
             def run():
-                with dist._coalescing_manager():
+                with manager():
                     for o, t in zip(outs, tensors):
                         dist.all_gather_into_tensor(o, t)
         else:
             ins = [torch.randn(n * t.numel()) for t in tensors]
 
             def run():
-                with dist._coalescing_manager():
+                with manager():
                     for o, t in zip(tensors, ins):
                         dist.reduce_scatter_tensor(o, t)
         return run
@@ -107,8 +124,10 @@ def rank_main(rank, world, store, iters, fsdp_steps):
     shapes = [p.numel() for p in _decoder(torch).parameters()]
     shards = [torch.randn(max(1, k // n)) for k in shapes]
     for kind in ("allreduce", "allgather", "reduce_scatter"):
-        res[f"64 x 4 KiB {kind}"] = _median_us(batch(small, kind), iters, dist)
-        res[f"FSDP2 shapes ({len(shards)} tensors) {kind}"] = _median_us(batch(shards, kind), iters, dist)
+        for label, ts in (("64 x 4 KiB", small), (f"FSDP2 shapes ({len(shards)} tensors)", shards)):
+            one, batched = _interleaved_us([batch(ts, kind, False), batch(ts, kind)], iters, dist)
+            res[f"{label} {kind}, one per tensor"] = one
+            res[f"{label} {kind}, coalesced"] = batched
 
     # uneven all-to-all: rank r sends (r + q) % 4 * 256 + 64 rows of 16 floats to rank q
     send = [((rank + q) % 4) * 256 + 64 for q in range(n)]
