@@ -76,6 +76,19 @@ fn host_buf(name: &str, ptr: usize, nbytes: usize) -> PyResult<Buf<'static>> {
     Ok(unsafe { Buf::from_raw_parts(ptr as *mut u8, nbytes) })
 }
 
+/// [`host_buf`] for each `(ptrs[i], nbytes[i])` (arguments `name[i]`); the two lists must
+/// have the same length.
+fn host_bufs(name: &str, ptrs: &[usize], nbytes: &[usize]) -> PyResult<Vec<Buf<'static>>> {
+    if ptrs.len() != nbytes.len() {
+        return Err(PyValueError::new_err(format!("{name}: {} addresses but {} byte lengths", ptrs.len(), nbytes.len())));
+    }
+    ptrs.iter().zip(nbytes).enumerate().map(|(i, (&p, &b))| host_buf(&format!("{name}[{i}]"), p, b)).collect()
+}
+
+fn dtypes(names: &[String]) -> PyResult<Vec<DType>> {
+    names.iter().map(|n| dtype(n)).collect()
+}
+
 /// Creates a shared-memory segment for `world_size` ranks with `slot_bytes` per chunk
 /// slot in directory `dir` (group rank 0 only) and returns its path. The file is named
 /// `flagos_shm-<32 random hex digits>`, mode 0600, its pages reserved.
@@ -534,6 +547,96 @@ impl PyCommunicator {
         let dt = self::dtype(dtype)?;
         let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
         self.dispatch(py, timeout_s, done, move |c| c.alltoall(i, o, numel, dt))
+    }
+
+    /// All-to-all with per-peer counts: `in_ptr` holds `sum(send_counts)` elements, piece q
+    /// (`send_counts[q]`, pieces back to back) for rank q; `out_ptr` receives
+    /// `sum(recv_counts)`, piece q from rank q. One collective: ValueError on every rank,
+    /// before any data moves, when some rank's send count to a peer differs from that
+    /// peer's receive count (naming the pair).
+    #[pyo3(signature = (in_ptr, in_nbytes, out_ptr, out_nbytes, send_counts, recv_counts, dtype, timeout_s=None, done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn alltoallv(
+        &self,
+        py: Python<'_>,
+        in_ptr: usize,
+        in_nbytes: usize,
+        out_ptr: usize,
+        out_nbytes: usize,
+        send_counts: Vec<usize>,
+        recv_counts: Vec<usize>,
+        dtype: &str,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
+        let dt = self::dtype(dtype)?;
+        let (i, o) = (host_buf("in_ptr", in_ptr, in_nbytes)?, host_buf("out_ptr", out_ptr, out_nbytes)?);
+        self.dispatch(py, timeout_s, done, move |c| c.alltoallv(i, o, &send_counts, &recv_counts, dt))
+    }
+
+    /// In-place allreduce of each buffer `ptrs[i]` (`nbytes[i]` bytes, `numels[i]`
+    /// elements of `dtypes[i]`) with one op, as one synchronised batch.
+    #[pyo3(signature = (ptrs, nbytes, numels, dtypes, op, factor=1.0, timeout_s=None, done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn allreduce_coalesced(
+        &self,
+        py: Python<'_>,
+        ptrs: Vec<usize>,
+        nbytes: Vec<usize>,
+        numels: Vec<usize>,
+        dtypes: Vec<String>,
+        op: u32,
+        factor: f64,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
+        let (dts, op) = (self::dtypes(&dtypes)?, reduce_op(op)?);
+        let bufs = host_bufs("ptrs", &ptrs, &nbytes)?;
+        self.dispatch(py, timeout_s, done, move |c| c.allreduce_coalesced(&bufs, &numels, &dts, op, factor))
+    }
+
+    /// Allgather of each `in_ptrs[i]` (`numels[i]` elements) into `out_ptrs[i]`
+    /// (`world_size * numels[i]`), as one batch; dtypes may differ between tensors.
+    #[pyo3(signature = (in_ptrs, in_nbytes, out_ptrs, out_nbytes, numels, dtypes, timeout_s=None, done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn allgather_coalesced(
+        &self,
+        py: Python<'_>,
+        in_ptrs: Vec<usize>,
+        in_nbytes: Vec<usize>,
+        out_ptrs: Vec<usize>,
+        out_nbytes: Vec<usize>,
+        numels: Vec<usize>,
+        dtypes: Vec<String>,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
+        let dts = self::dtypes(&dtypes)?;
+        let (i, o) = (host_bufs("in_ptrs", &in_ptrs, &in_nbytes)?, host_bufs("out_ptrs", &out_ptrs, &out_nbytes)?);
+        self.dispatch(py, timeout_s, done, move |c| c.allgather_coalesced(&i, &o, &numels, &dts))
+    }
+
+    /// Reduce-scatter of each `in_ptrs[i]` (`world_size * numels[i]` elements) into
+    /// `out_ptrs[i]` (`numels[i]`), with one op, as one batch.
+    #[pyo3(signature = (in_ptrs, in_nbytes, out_ptrs, out_nbytes, numels, dtypes, op, factor=1.0, timeout_s=None, done=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter_coalesced(
+        &self,
+        py: Python<'_>,
+        in_ptrs: Vec<usize>,
+        in_nbytes: Vec<usize>,
+        out_ptrs: Vec<usize>,
+        out_nbytes: Vec<usize>,
+        numels: Vec<usize>,
+        dtypes: Vec<String>,
+        op: u32,
+        factor: f64,
+        timeout_s: Option<f64>,
+        done: Option<Py<PyAny>>,
+    ) -> PyResult<u64> {
+        let (dts, op) = (self::dtypes(&dtypes)?, reduce_op(op)?);
+        let (i, o) = (host_bufs("in_ptrs", &in_ptrs, &in_nbytes)?, host_bufs("out_ptrs", &out_ptrs, &out_nbytes)?);
+        self.dispatch(py, timeout_s, done, move |c| c.reduce_scatter_coalesced(&i, &o, &numels, &dts, op, factor))
     }
 
     /// Blocks (GIL released) until the call that returned `ticket` has completed and its

@@ -20,11 +20,18 @@ pub enum Kind {
     Gather = 7,
     Scatter = 8,
     Alltoall = 9,
+    /// All-to-all with per-peer counts (`algorithms::alltoallv`).
+    Alltoallv = 10,
+    /// Coalesced batches (`algorithms::coalesced`): one descriptor, then a table of the
+    /// batch's tensors (dtype, count), then the tensors back to back through the slots.
+    AllreduceCoalesced = 11,
+    AllgatherCoalesced = 12,
+    ReduceScatterCoalesced = 13,
 }
 
 impl Kind {
     /// Every kind, in code order.
-    pub const ALL: [Kind; 9] = [
+    pub const ALL: [Kind; 13] = [
         Kind::Barrier,
         Kind::Allreduce,
         Kind::Broadcast,
@@ -34,6 +41,10 @@ impl Kind {
         Kind::Gather,
         Kind::Scatter,
         Kind::Alltoall,
+        Kind::Alltoallv,
+        Kind::AllreduceCoalesced,
+        Kind::AllgatherCoalesced,
+        Kind::ReduceScatterCoalesced,
     ];
     pub fn name(self) -> &'static str {
         match self {
@@ -46,6 +57,10 @@ impl Kind {
             Kind::Gather => "gather",
             Kind::Scatter => "scatter",
             Kind::Alltoall => "alltoall",
+            Kind::Alltoallv => "alltoallv",
+            Kind::AllreduceCoalesced => "allreduce_coalesced",
+            Kind::AllgatherCoalesced => "allgather_coalesced",
+            Kind::ReduceScatterCoalesced => "reduce_scatter_coalesced",
         }
     }
     /// The kind a c10d method name belongs to: `"allreduce_coalesced"`,
@@ -68,6 +83,11 @@ impl Kind {
     }
     pub(crate) fn from_code(c: u8) -> Option<Kind> {
         Kind::ALL.into_iter().find(|k| *k as u8 == c)
+    }
+    /// Whether the call's `count` is the number of tensors of a batch (its per-tensor
+    /// counts travel in the first step's table) or, for alltoallv, unused.
+    fn batched(self) -> bool {
+        matches!(self, Kind::Alltoallv | Kind::AllreduceCoalesced | Kind::AllgatherCoalesced | Kind::ReduceScatterCoalesced)
     }
 }
 
@@ -201,8 +221,15 @@ impl Desc {
             return format!("{kind} #{}", self.seq);
         }
         let dtype = DType::from_code(self.dtype).map_or_else(|| format!("<dtype {}>", self.dtype), |d| d.name().to_string());
-        let mut s = format!("{kind} #{} ({dtype} x {} elements", self.seq, self.count);
-        if matches!(Kind::from_code(self.kind), Some(Kind::Allreduce | Kind::Reduce | Kind::ReduceScatter)) {
+        let mut s = match Kind::from_code(self.kind) {
+            Some(Kind::Alltoallv) => format!("{kind} #{} ({dtype}, per-peer counts", self.seq),
+            Some(k) if k.batched() => format!("{kind} #{} ({} tensors, the first {dtype}", self.seq, self.count),
+            _ => format!("{kind} #{} ({dtype} x {} elements", self.seq, self.count),
+        };
+        if matches!(
+            Kind::from_code(self.kind),
+            Some(Kind::Allreduce | Kind::Reduce | Kind::ReduceScatter | Kind::AllreduceCoalesced | Kind::ReduceScatterCoalesced)
+        ) {
             s += &format!(", {}", ReduceOp::from_code(self.op).map_or("<op?>", |o| o.name()));
             if self.op == ReduceOp::PremulSum as u32 {
                 s += &format!(" factor {}", f64::from_bits(self.factor));

@@ -41,6 +41,16 @@ def rank_short_buffers() -> dict:
                                         out.data_ptr(), count * es, count, "float32", 1),
         "alltoall": lambda: comm.alltoall(inp.data_ptr(), n * count * es, out.data_ptr(), short(n * count * es),
                                           count, "float32"),
+        "alltoallv": lambda: comm.alltoallv(inp.data_ptr(), n * count * es, out.data_ptr(), short(n * count * es),
+                                            [count] * n, [count] * n, "float32"),
+        "allreduce_coalesced": lambda: comm.allreduce_coalesced([inp.data_ptr(), out.data_ptr()],
+                                                                [count * es, short(count * es)], [count, count],
+                                                                ["float32", "float32"], 0),
+        "allgather_coalesced": lambda: comm.allgather_coalesced([inp.data_ptr()], [count * es], [out.data_ptr()],
+                                                                [short(n * count * es)], [count], ["float32"]),
+        "reduce_scatter_coalesced": lambda: comm.reduce_scatter_coalesced([inp.data_ptr()], [short(n * count * es)],
+                                                                          [out.data_ptr()], [count * es], [count],
+                                                                          ["float32"], 0),
     }
     errors = {}
     for name, call in calls.items():
@@ -49,6 +59,7 @@ def rank_short_buffers() -> dict:
             errors[name] = None
         except ValueError as e:
             errors[name] = str(e)
+    # allreduce_coalesced rejected before it reduced its (valid) first tensor in place
     untouched = bool(torch.all(out == -1.0)) and bool(torch.all(inp == 7.0))
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t)
@@ -61,7 +72,8 @@ def test_too_short_nbytes_raises_value_error_naming_the_argument_and_writes_noth
     results = worlds(2).run(rank_short_buffers)
     names = {"allreduce": "nbytes", "broadcast": "nbytes", "reduce": "nbytes", "allgather": "out_nbytes",
              "reduce_scatter": "in_nbytes", "gather": "out_nbytes", "scatter": "in_nbytes",
-             "alltoall": "out_nbytes"}
+             "alltoall": "out_nbytes", "alltoallv": "out_nbytes", "allreduce_coalesced": "nbytes[1]",
+             "allgather_coalesced": "out_nbytes[0]", "reduce_scatter_coalesced": "in_nbytes[0]"}
     for name, arg in names.items():
         err = results[1]["errors"][name]
         assert err is not None and err.startswith(f"{arg}: ") and "too small" in err, (name, err)

@@ -213,6 +213,38 @@ def every_collective(rank: int, world_size: int, tmp: str, expect_nodes: list) -
     outs = [torch.empty(2, dtype=torch.int64) for _ in range(n)]
     dist.all_to_all(outs, [torch.tensor([rank, q]) for q in range(n)])
     check("all_to_all", torch.stack(outs), torch.stack([torch.tensor([q, rank]) for q in range(n)]))
+    # uneven with zeros, asynchronous (alltoallv), and sizes that disagree (on every rank)
+    in_splits, out_splits = [(rank * q) % 3 for q in range(n)], [(q * rank) % 3 for q in range(n)]
+    got = torch.empty(sum(out_splits))
+    dist.all_to_all_single(got, torch.full((sum(in_splits),), float(rank)), out_splits, in_splits,
+                           async_op=True).wait()
+    check("all_to_all_single/uneven-async", got, torch.cat([torch.full((out_splits[q],), float(q)) for q in range(n)]))
+    wrong = [2 + (rank == 1 and q == 0) for q in range(n)]
+    try:
+        dist.all_to_all_single(torch.empty(2 * n), torch.ones(sum(wrong)), [2] * n, wrong)
+        bad.append("all_to_all_single/mismatch: no error")
+    except ValueError as exc:
+        if "rank 1 sends 3 elements to rank 0" not in str(exc):
+            bad.append(f"all_to_all_single/mismatch: {exc}")
+    # coalesced batches (mixed sizes, and dtypes for the gathers)
+    ts = [_input(rank, k, torch.float32) for k in (3, 0, 17)]
+    with dist._coalescing_manager():
+        for t in ts:
+            dist.all_reduce(t)
+    for i, (t, k) in enumerate(zip(ts, (3, 0, 17))):
+        check(f"allreduce_coalesced/{i}", t, _reference("SUM", [_input(r, k, torch.float32) for r in range(n)]))
+    ins = [_input(rank, 5, torch.float32), _input(rank, 4, torch.int64)]
+    outs = [torch.empty(n * 5), torch.empty(n * 4, dtype=torch.int64)]
+    with dist._coalescing_manager():
+        for o, t in zip(outs, ins):
+            dist.all_gather_into_tensor(o, t)
+    check("allgather_coalesced/f32", outs[0], torch.cat([_input(r, 5, torch.float32) for r in range(n)]))
+    check("allgather_coalesced/i64", outs[1], torch.cat([_input(r, 4, torch.int64) for r in range(n)]))
+    inputs = [_input(r, 2 * n, torch.float32) for r in range(n)]
+    out = torch.empty(2)
+    with dist._coalescing_manager():
+        dist.reduce_scatter_tensor(out, inputs[rank].clone())
+    check("reduce_scatter_coalesced", out, _reference("SUM", inputs)[2 * rank:2 * rank + 2])
     dist.barrier()
     # object collectives (uint8/int64 broadcast and allgather underneath)
     objs = [None] * n

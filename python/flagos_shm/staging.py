@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 
 __all__ = ["CORE_DTYPES", "HostBuffer", "PinnedPool", "core_dtype", "check", "stage", "scratch", "pack",
-           "unpack", "finish", "pinned_pool"]
+           "unpack", "concat", "split_into", "finish", "pinned_pool"]
 
 #: Environment variable: bytes of idle pinned host buffers kept for reuse between calls.
 ENV_PINNED_POOL_BYTES = "FLAGOS_SHM_PINNED_POOL_BYTES"
@@ -230,6 +230,27 @@ def unpack(buf: HostBuffer, tensors, count: int) -> None:
     with torch.no_grad():
         for i, t in enumerate(tensors):
             t.copy_(buf.host[i * count: i * count + t.numel()].view(t.shape))
+
+
+def concat(tensors, dtype: torch.dtype) -> HostBuffer:
+    """Copy ``tensors`` (flattened, of torch ``dtype``) back to back into a new host buffer."""
+    buf = scratch(sum(t.numel() for t in tensors), dtype)
+    at = 0
+    with torch.no_grad():
+        for t in tensors:
+            buf.host[at: at + t.numel()].copy_(t.reshape(-1))
+            at += t.numel()
+    return buf
+
+
+def split_into(buf: HostBuffer, tensors) -> None:
+    """Copy consecutive pieces of ``buf`` into ``tensors`` (each its own element count);
+    the inverse of :func:`concat`."""
+    at = 0
+    with torch.no_grad():
+        for t in tensors:
+            t.copy_(buf.host[at: at + t.numel()].view(t.shape))
+            at += t.numel()
 
 
 def finish(buffers) -> None:

@@ -2,8 +2,10 @@
 //! this module holds their public, bounds-checked face, the thresholds that choose an
 //! algorithm, and the chunk iterator every slot algorithm streams through; each family
 //! of slot algorithms is one file below it (`allreduce`, `rooted`: broadcast and reduce,
-//! `gather`: allgather, gather and scatter, `exchange`: reduce-scatter and alltoall),
-//! and the single-copy ones are in `crate::single_copy`.
+//! `gather`: allgather, gather and scatter, `exchange`: reduce-scatter and alltoall,
+//! `alltoallv`: all-to-all with per-peer counts, `coalesced`: batches of allreduces,
+//! allgathers or reduce-scatters as one operation, `table`: the per-call tables these
+//! two publish in their first step), and the single-copy ones are in `crate::single_copy`.
 //!
 //! Every collective streams its message through the per-rank chunk slots, one chunk per
 //! step (two for the large allreduce), so any message size fits a segment of a fixed size.
@@ -39,9 +41,12 @@
 //!   the chunk of each piece in, rank r copies piece r out.
 
 mod allreduce;
+mod alltoallv;
+mod coalesced;
 mod exchange;
 mod gather;
 mod rooted;
+mod table;
 
 use crate::buffer::Buf;
 use crate::error::{Error, Result};
@@ -52,6 +57,7 @@ use std::path::Path;
 
 pub use crate::desc::{check_peer_desc, Desc, Kind, Transfer};
 pub use crate::group::{AbortHandle, Communicator, InterruptHook, ATTACH_STEPS};
+pub use coalesced::COALESCE_MAX_BYTES;
 
 /// The fallback plan's one-shot allreduce limit ([`Plan::FALLBACK`]; the group's own is
 /// [`Communicator::plan`]).

@@ -34,7 +34,8 @@ Algorithms (``L`` = in-node step through shared memory, ``G`` = among the leader
 * allgather: L gather to the leader, G allgather (padded to the largest node), L broadcast.
 * reduce, reduce-scatter: an allreduce of a scratch copy, each rank keeping its part;
   gather: an allgather; scatter: a broadcast of the root's whole input.
-* alltoall: the all-ranks Gloo group.
+* alltoall: the all-ranks Gloo group; alltoallv (uneven) and coalesced batches:
+  :mod:`.hierarchy_coll`.
 
 Before the data of every call the leaders exchange a small descriptor (kind, element count,
 dtype, op, root) and a failure flag: ranks that disagree raise ``ValueError`` on every rank
@@ -65,7 +66,7 @@ from torch._C._distributed_c10d import (
 )
 
 from .. import staging
-from . import hierarchy_p2p, hierarchy_rs, options, rendezvous
+from . import hierarchy_coll, hierarchy_p2p, hierarchy_rs, options, rendezvous
 from .collectives.base import attach
 
 __all__ = ["HierarchicalComm"]
@@ -78,7 +79,7 @@ _DTYPE_CODE = {name: i + 1 for i, name in enumerate(staging.CORE_DTYPES.values()
 _KINDS = ("barrier", "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather", "scatter", "alltoall",
           "allreduce_rs", "reduce_rs", "reduce_scatter_rs")  # *_rs: hierarchy_rs's path
 _KIND_CODE = {k: i + 1 for i, k in enumerate(_KINDS)}
-_ALLTOALL_NAMES = ("alltoall", "all_to_all_single", "alltoall_base")
+_ALLTOALL_NAMES = ("alltoall", "all_to_all_single", "alltoall_base", "alltoallv")
 _GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
 _ALL_LOCK = threading.Lock()  # making the all-ranks group (and setting the variable above)
 
@@ -708,3 +709,17 @@ class HierarchicalComm:
                 self.abort(f"{type(exc).__name__}: {exc}")
                 raise
         return self._dispatch(job, done)
+
+    # ---- alltoallv and coalesced batches: :mod:`.hierarchy_coll` ---------------------------
+
+    def alltoallv(self, *args, **kwargs) -> int:
+        return hierarchy_coll.alltoallv(self, *args, **kwargs)
+
+    def allreduce_coalesced(self, *args, **kwargs) -> int:
+        return hierarchy_coll.allreduce_coalesced(self, *args, **kwargs)
+
+    def allgather_coalesced(self, *args, **kwargs) -> int:
+        return hierarchy_coll.allgather_coalesced(self, *args, **kwargs)
+
+    def reduce_scatter_coalesced(self, *args, **kwargs) -> int:
+        return hierarchy_coll.reduce_scatter_coalesced(self, *args, **kwargs)

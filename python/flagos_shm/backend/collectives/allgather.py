@@ -60,7 +60,7 @@ class Gathering(CollectiveBase):
     def allgather_coalesced(self, output_lists, input_list, opts=None) -> ShmWork:
         """Gather each ``input_list[i]`` of every rank: ``output_lists[r][i]`` receives rank
         r's ``input_list[i]`` (torch's layout: ``world_size`` lists of ``len(input_list)``
-        tensors). One collective per input tensor."""
+        tensors). One core batch (see :meth:`all_gather_single_coalesced`)."""
         name = "allgather_coalesced"
         with self._validating(name, (output_lists, input_list)):
             a = self._args(opts)
@@ -77,18 +77,27 @@ class Gathering(CollectiveBase):
                                      f"{t.numel()} elements")
                 jobs.append((outs, inp))
         comm, n = self._comm, self._world_size
-        dsts = [staging.scratch(n * inp.tensor.numel(), inp.torch_dtype) for _, inp in jobs]
-        calls = [lambda done, inp=inp, dst=dst: comm.allgather(inp.ptr, inp.nbytes, dst.ptr, dst.nbytes,
-                                                               inp.numel, inp.dtype, a.timeout_s, done)
-                 for (_, inp), dst in zip(jobs, dsts)]
+        ins = [inp for _, inp in jobs]
+        dsts = [staging.scratch(n * inp.tensor.numel(), inp.torch_dtype) for inp in ins]
 
         def after():
             for (outs, inp), dst in zip(jobs, dsts):
                 staging.unpack(dst, outs, inp.tensor.numel())
-        return self._run(name, [o for row in rows for o in row], [], calls, opts, after=after)
+        return self._run(name, [o for row in rows for o in row], [], [lambda done: comm.allgather_coalesced(
+            [i.ptr for i in ins], [i.nbytes for i in ins], [d.ptr for d in dsts], [d.nbytes for d in dsts],
+            [i.numel for i in ins], [i.dtype for i in ins], a.timeout_s, done)], opts, after=after)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> ShmWork:
-        """``all_gather_single`` of each ``(outputs[i], inputs[i])`` pair (one collective each)."""
+        """``all_gather_single`` of each ``(outputs[i], inputs[i])`` pair, as one core batch:
+        one descriptor and a table of the tensors' sizes, then the tensors back to back
+        through the shared slots (tensors above the core's ``COALESCE_MAX_BYTES`` run as
+        their own collective within it). Pairs may differ in dtype.
+
+        Raises:
+            TypeError: a pair of different dtypes.
+            ValueError: ``outputs[i]`` not ``world_size`` times ``inputs[i]``, or ranks whose
+                batches differ (on every rank, naming the tensor).
+        """
         name = "all_gather_single_coalesced"
         with self._validating(name, (outputs, inputs)):
             a = self._args(opts)
@@ -98,10 +107,10 @@ class Gathering(CollectiveBase):
                     raise ValueError(f"outputs[{i}]: expected world_size * inputs[{i}].numel() = "
                                      f"{self._world_size * inp.tensor.numel()} elements, got {out.tensor.numel()}")
         comm = self._comm
-        calls = [lambda done, out=out, inp=inp: comm.allgather(inp.ptr, inp.nbytes, out.ptr, out.nbytes,
-                                                               inp.numel, inp.dtype, a.timeout_s, done)
-                 for out, inp in pairs]
-        return self._run(name, list(outputs), [out for out, _ in pairs], calls, opts)
+        return self._run(name, list(outputs), [out for out, _ in pairs], [lambda done: comm.allgather_coalesced(
+            [i.ptr for _, i in pairs], [i.nbytes for _, i in pairs], [o.ptr for o, _ in pairs],
+            [o.nbytes for o, _ in pairs], [i.numel for _, i in pairs], [i.dtype for _, i in pairs],
+            a.timeout_s, done)], opts)
 
 
     def gather(self, output_tensors, input_tensors, opts=None, timeout=None) -> ShmWork:

@@ -1,4 +1,5 @@
-"""Reductions: allreduce (and its coalesced form), reduce, reduce-scatter."""
+"""Reductions: allreduce, reduce, reduce-scatter, and the coalesced batches of allreduce and
+reduce-scatter (one core collective per batch)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,15 @@ class Reduction(CollectiveBase):
         return ShmWork([t], error)
 
     def allreduce_coalesced(self, tensors, opts=None) -> ShmWork:
-        """Reduce each tensor of ``tensors`` (one dtype) in place; one collective per tensor."""
+        """Reduce each tensor of ``tensors`` (one dtype, any sizes) in place, as one core
+        batch: one descriptor and a table of the tensors' sizes, then the tensors back to
+        back through the shared slots (tensors above the core's ``COALESCE_MAX_BYTES`` run
+        as their own collective within it).
+
+        Raises:
+            TypeError: tensors of different dtypes, or an op undefined for the dtype.
+            ValueError: ranks whose batches differ (on every rank, naming the tensor).
+        """
         name = "allreduce_coalesced"
         with self._validating(name, (tensors,)):
             a = self._args(opts, "op")
@@ -84,10 +93,9 @@ class Reduction(CollectiveBase):
             for buf, arg in zip(bufs, args):
                 options.check_op(a.op, buf, arg)
         comm = self._comm
-        calls = [lambda done, b=buf: comm.allreduce(b.ptr, b.nbytes, b.numel, b.dtype, a.op, a.factor,
-                                                     a.timeout_s, done)
-                 for buf in bufs]
-        return self._run(name, tensors, bufs, calls, opts)
+        return self._run(name, tensors, bufs, [lambda done: comm.allreduce_coalesced(
+            [b.ptr for b in bufs], [b.nbytes for b in bufs], [b.numel for b in bufs], [b.dtype for b in bufs],
+            a.op, a.factor, a.timeout_s, done)], opts)
 
     def reduce(self, tensors, opts=None, op=None, timeout=None) -> ShmWork:
         """Reduce every rank's ``tensors[0]`` into the root's ``tensors[0]`` (others unchanged).
@@ -150,7 +158,14 @@ class Reduction(CollectiveBase):
 
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> ShmWork:
-        """``reduce_scatter_single`` of each ``(outputs[i], inputs[i])`` pair (one collective each)."""
+        """``reduce_scatter_single`` of each ``(outputs[i], inputs[i])`` pair, as one core
+        batch (see :meth:`allreduce_coalesced`); pairs may differ in dtype.
+
+        Raises:
+            TypeError: a pair of different dtypes, or an op undefined for a pair's dtype.
+            ValueError: ``inputs[i]`` not ``world_size`` times ``outputs[i]``, or ranks
+                whose batches differ (on every rank).
+        """
         name = "reduce_scatter_single_coalesced"
         with self._validating(name, (outputs, inputs)):
             a = self._args(opts, "op")
@@ -161,9 +176,7 @@ class Reduction(CollectiveBase):
                                      f"{self._world_size * out.tensor.numel()} elements, got {inp.tensor.numel()}")
                 options.check_op(a.op, out, f"outputs[{i}]")
         comm = self._comm
-        calls = [lambda done, out=out, inp=inp: comm.reduce_scatter(inp.ptr, inp.nbytes, out.ptr, out.nbytes,
-                                                                    out.numel, out.dtype, a.op, a.factor,
-                                                                    a.timeout_s, done)
-                 for out, inp in pairs]
-        return self._run(name, list(outputs), [out for out, _ in pairs], calls, opts)
-
+        return self._run(name, list(outputs), [out for out, _ in pairs], [lambda done: comm.reduce_scatter_coalesced(
+            [i.ptr for _, i in pairs], [i.nbytes for _, i in pairs], [o.ptr for o, _ in pairs],
+            [o.nbytes for o, _ in pairs], [o.numel for o, _ in pairs], [o.dtype for o, _ in pairs],
+            a.op, a.factor, a.timeout_s, done)], opts)

@@ -1,0 +1,254 @@
+//! Tests of alltoallv and the coalesced batches with threads as ranks: values against
+//! references computed another way (per-element formulas, the single-tensor collectives),
+//! mismatches raised on every rank with the group usable afterwards, and the bounds
+//! checks on the caller's buffers and lists.
+
+use flagos_shm::algorithms::COALESCE_MAX_BYTES;
+use flagos_shm::reduce::{DType, ReduceOp};
+use flagos_shm::segment;
+use flagos_shm::{Buf, Communicator, Error};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn with_group<R: Send + 'static>(n: usize, slot: usize, f: impl Fn(usize, &mut Communicator) -> R + Send + Sync + 'static) -> Vec<R> {
+    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("flagos_shm_coll_{}_{k}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = segment::create(&dir, n, slot).unwrap();
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..n)
+        .map(|r| {
+            let (p, f) = (path.clone(), Arc::clone(&f));
+            std::thread::spawn(move || f(r, &mut Communicator::attach(&p, r, n, Duration::from_secs(20)).unwrap()))
+        })
+        .collect();
+    let out = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    std::fs::remove_dir(&dir).unwrap();
+    out
+}
+
+const SLOT: usize = 4096; // small slots: modest sizes stream through many steps
+
+/// What rank `src` sends rank `dst` at element `i` (distinct for every triple).
+fn sent(src: usize, dst: usize, i: usize) -> i64 {
+    (src * 1_000_000 + dst * 10_000 + i) as i64
+}
+
+/// Rank p's count to rank q in a skewed pattern with zeros and multi-step pieces.
+fn count(p: usize, q: usize) -> usize {
+    [0, 1, 7, 300, 1000][(p * 3 + q * 2) % 5]
+}
+
+#[test]
+fn alltoallv_matches_per_element_reference_for_uneven_counts() {
+    for n in 1..=4 {
+        let outs = with_group(n, SLOT, move |me, c| {
+            let send: Vec<usize> = (0..n).map(|q| count(me, q)).collect();
+            let recv: Vec<usize> = (0..n).map(|q| count(q, me)).collect();
+            let input: Vec<i64> = (0..n).flat_map(|q| (0..send[q]).map(move |i| sent(me, q, i))).collect();
+            let mut out = vec![-1i64; recv.iter().sum::<usize>() + 3]; // 3 guard elements
+            let seq = c.seq();
+            c.alltoallv(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), &send, &recv, DType::I64).unwrap();
+            assert_eq!(c.seq(), seq + 1, "alltoallv is one collective");
+            // also as bytes (element size 1) with a count of zero everywhere
+            let mut none = [7u8; 4];
+            c.alltoallv(Buf::from_slice(&[]), Buf::from_mut_slice(&mut none), &vec![0; n], &vec![0; n], DType::U8).unwrap();
+            assert_eq!(none, [7; 4]);
+            out
+        });
+        for (me, out) in outs.iter().enumerate() {
+            let want: Vec<i64> = (0..n).flat_map(|q| (0..count(q, me)).map(move |i| sent(q, me, i))).chain([-1; 3]).collect();
+            assert_eq!(out, &want, "n={n} rank {me}");
+        }
+    }
+}
+
+#[test]
+fn alltoallv_count_mismatch_raises_on_every_rank_naming_the_pair() {
+    let outs = with_group(3, SLOT, |me, c| {
+        let mut send = vec![2usize; 3];
+        if me == 1 {
+            send[2] = 5; // rank 2 expects 2
+        }
+        let input = vec![1.0f32; 9];
+        let mut out = vec![0.0f32; 6];
+        let e = c.alltoallv(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), &send, &[2; 3], DType::F32);
+        let msg = match e {
+            Err(Error::Mismatch(m)) => m,
+            other => panic!("rank {me}: expected Mismatch, got {other:?}"),
+        };
+        let mut ok = [me as f32; 4];
+        c.allreduce(Buf::from_elems_mut(&mut ok), 4, DType::F32, ReduceOp::Sum, 1.0).unwrap();
+        (msg, out, ok)
+    });
+    for (msg, out, ok) in outs {
+        assert!(msg.contains("rank 1 sends 5 elements to rank 2, which expects 2") && msg.contains("no data was exchanged"), "{msg}");
+        assert_eq!(out, vec![0.0; 6], "nothing written");
+        assert_eq!(ok, [3.0; 4], "the group is still usable");
+    }
+}
+
+#[test]
+fn alltoallv_refuses_short_buffers_bad_lists_and_overlap_by_name() {
+    let outs = with_group(2, SLOT, |me, c| {
+        let input = vec![1u32; 4];
+        let mut out = vec![0u32; 4];
+        let mut errs = Vec::new();
+        // rank 0's input is too short for its counts; rank 1 sees a rejecting peer
+        let send = if me == 0 { [3, 3] } else { [2, 2] };
+        errs.push(c.alltoallv(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), &send, &[2, 2], DType::I32));
+        // rank 1 passes one receive count too few
+        let recv: &[usize] = if me == 1 { &[2] } else { &[2, 2] };
+        errs.push(c.alltoallv(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), &[2, 2], recv, DType::I32));
+        // rank 0's output overlaps its input
+        if me == 0 {
+            let mut both = [0u32; 6];
+            let (a, b) = both.split_at_mut(2);
+            // SAFETY: `a` and `b` are live and 4-byte aligned; the overlap is the point.
+            let whole = unsafe { Buf::from_raw_parts(a.as_mut_ptr().cast(), 16) };
+            errs.push(c.alltoallv(whole, Buf::from_elems_mut(b), &[2, 2], &[2, 2], DType::I32));
+        } else {
+            errs.push(c.alltoallv(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), &[2, 2], &[2, 2], DType::I32));
+        }
+        (errs.into_iter().map(|e| e.unwrap_err().to_string()).collect::<Vec<_>>(), out)
+    });
+    let (e0, e1) = (&outs[0].0, &outs[1].0);
+    assert!(e0[0].contains("in_nbytes") && e0[0].contains("too small"), "{}", e0[0]);
+    assert!(e1[0].contains("rank 0 rejected its arguments"), "{}", e1[0]);
+    assert!(e1[1].contains("recv_counts: expected 2 counts"), "{}", e1[1]);
+    assert!(e0[1].contains("rank 1 rejected its arguments"), "{}", e0[1]);
+    assert!(e0[2].contains("overlaps its input"), "{}", e0[2]);
+    assert!(e1[2].contains("rank 0 rejected"), "{}", e1[2]);
+    assert_eq!(outs[1].1, vec![0; 4], "nothing written");
+}
+
+/// f32 values for rank `r`, tensor `t`, element `i` that sum exactly.
+fn val(r: usize, t: usize, i: usize) -> f32 {
+    ((r * 7 + t * 3 + i) % 17) as f32 - 8.0
+}
+
+/// Tensor sizes of a batch: empty, tiny, spanning several steps, one above the batch limit.
+fn sizes() -> Vec<usize> {
+    vec![0, 1, 3000, 17, COALESCE_MAX_BYTES / 4 + 5, 64]
+}
+
+#[test]
+fn allreduce_coalesced_equals_one_allreduce_per_tensor_with_mixed_dtypes() {
+    for n in [1, 2, 3] {
+        let outs = with_group(n, SLOT, |me, c| {
+            let sz = sizes();
+            // even tensors float32, odd ones int64 (mixed dtypes in one batch)
+            let dtype = |t: usize| if t % 2 == 0 { DType::F32 } else { DType::I64 };
+            let mut f: Vec<Vec<f32>> = sz.iter().enumerate().map(|(t, &k)| (0..k).map(|i| val(me, t, i)).collect()).collect();
+            let mut g: Vec<Vec<i64>> = sz.iter().enumerate().map(|(t, &k)| (0..k).map(|i| val(me, t, i) as i64).collect()).collect();
+            let (mut rf, mut rg) = (f.clone(), g.clone());
+            let seq = c.seq();
+            {
+                let bufs: Vec<Buf> = f
+                    .iter_mut()
+                    .zip(g.iter_mut())
+                    .enumerate()
+                    .map(|(t, (a, b))| if t % 2 == 0 { Buf::from_elems_mut(a) } else { Buf::from_elems_mut(b) })
+                    .collect();
+                let dtypes: Vec<DType> = (0..sz.len()).map(dtype).collect();
+                c.allreduce_coalesced(&bufs, &sz, &dtypes, ReduceOp::Sum, 1.0).unwrap();
+            }
+            let batch_seqs = c.seq() - seq;
+            for t in 0..sz.len() {
+                if t % 2 == 0 {
+                    c.allreduce(Buf::from_elems_mut(&mut rf[t]), sz[t], DType::F32, ReduceOp::Sum, 1.0).unwrap();
+                } else {
+                    c.allreduce(Buf::from_elems_mut(&mut rg[t]), sz[t], DType::I64, ReduceOp::Sum, 1.0).unwrap();
+                }
+            }
+            let same = (0..sz.len()).all(|t| if t % 2 == 0 { f[t] == rf[t] } else { g[t] == rg[t] });
+            (same, batch_seqs, f[2].clone())
+        });
+        for (r, (same, seqs, f2)) in outs.into_iter().enumerate() {
+            assert!(same, "n={n} rank {r}: coalesced differs from per-tensor allreduce");
+            assert_eq!(seqs, 2, "one batch plus the one tensor above the limit");
+            let want: Vec<f32> = (0..3000).map(|i| (0..n).map(|q| val(q, 2, i)).sum()).collect();
+            assert_eq!(f2, want);
+        }
+    }
+}
+
+#[test]
+fn allgather_and_reduce_scatter_coalesced_match_references() {
+    for n in [2, 3] {
+        let outs = with_group(n, SLOT, move |me, c| {
+            let sz = sizes();
+            let ins: Vec<Vec<f32>> = sz.iter().enumerate().map(|(t, &k)| (0..k).map(|i| val(me, t, i)).collect()).collect();
+            let mut outs: Vec<Vec<f32>> = sz.iter().map(|&k| vec![f32::NAN; n * k]).collect();
+            {
+                let i: Vec<Buf> = ins.iter().map(|v| Buf::from_elems(v)).collect();
+                let o: Vec<Buf> = outs.iter_mut().map(|v| Buf::from_elems_mut(v)).collect();
+                c.allgather_coalesced(&i, &o, &sz, &[DType::F32; 6]).unwrap();
+            }
+            // reduce-scatter: tensor t's input has n blocks of sz[t]; rank me keeps block me
+            let rs_in: Vec<Vec<i32>> = sz.iter().enumerate().map(|(t, &k)| (0..n * k).map(|i| val(me, t, i) as i32).collect()).collect();
+            let mut rs_out: Vec<Vec<i32>> = sz.iter().map(|&k| vec![i32::MIN; k]).collect();
+            {
+                let i: Vec<Buf> = rs_in.iter().map(|v| Buf::from_elems(v)).collect();
+                let o: Vec<Buf> = rs_out.iter_mut().map(|v| Buf::from_elems_mut(v)).collect();
+                c.reduce_scatter_coalesced(&i, &o, &sz, &[DType::I32; 6], ReduceOp::Max, 1.0).unwrap();
+            }
+            (outs, rs_out)
+        });
+        let sz = sizes();
+        for (me, (ag, rs)) in outs.into_iter().enumerate() {
+            for (t, &k) in sz.iter().enumerate() {
+                let want: Vec<f32> = (0..n).flat_map(|r| (0..k).map(move |i| val(r, t, i))).collect();
+                assert_eq!(ag[t], want, "allgather n={n} tensor {t}");
+                let want: Vec<i32> = (0..k).map(|i| (0..n).map(|r| val(r, t, me * k + i) as i32).max().unwrap()).collect();
+                assert_eq!(rs[t], want, "reduce_scatter n={n} rank {me} tensor {t}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_batch_that_differs_raises_on_every_rank_and_the_group_stays_usable() {
+    let outs = with_group(3, SLOT, |me, c| {
+        let mut a = vec![1.0f32; 8];
+        let mut b = vec![1.0f64; 8];
+        // rank 2's second tensor is float32 where the others have float64
+        let (d1, mut b32) = (if me == 2 { DType::F32 } else { DType::F64 }, vec![1.0f32; 8]);
+        let e = {
+            let second = if me == 2 { Buf::from_elems_mut(&mut b32) } else { Buf::from_elems_mut(&mut b) };
+            c.allreduce_coalesced(&[Buf::from_elems_mut(&mut a), second], &[8, 8], &[DType::F32, d1], ReduceOp::Sum, 1.0)
+        };
+        // a batch of a different length, then one whose tensor is too short on rank 0
+        let e2 = c.allreduce_coalesced(&[Buf::from_elems_mut(&mut a)], &[if me == 1 { 7 } else { 8 }], &[DType::F32], ReduceOp::Sum, 1.0);
+        let e3 = c.allgather_coalesced(
+            &[Buf::from_elems(&[1.0f32; 2])],
+            &[Buf::from_elems_mut(&mut a)],
+            &[if me == 0 { 3 } else { 2 }],
+            &[DType::F32],
+        );
+        let mut ok = [1i64; 2];
+        c.allreduce_coalesced(&[Buf::from_elems_mut(&mut ok)], &[2], &[DType::I64], ReduceOp::Sum, 1.0).unwrap();
+        ([e, e2, e3].map(|e| e.unwrap_err().to_string()), a[..2].to_vec(), ok)
+    });
+    for (me, (errs, a, ok)) in outs.into_iter().enumerate() {
+        assert!(errs[0].contains("tensor 1 of the batch: rank 0 has float64 x 8 elements, rank 2 has float32 x 8"), "{}", errs[0]);
+        assert!(errs[0].contains("no output was written"), "{}", errs[0]);
+        assert!(errs[1].contains("rank 0 has float32 x 8 elements, rank 1 has float32 x 7"), "{}", errs[1]);
+        let want = if me == 0 { "in_nbytes[0]" } else { "rank 0 rejected its arguments" };
+        assert!(errs[2].contains(want), "rank {me}: {}", errs[2]);
+        assert_eq!(a, vec![1.0; 2], "nothing written");
+        assert_eq!(ok, [3; 2]);
+    }
+}
+
+#[test]
+fn ops_undefined_on_a_tensor_of_the_batch_are_refused_on_every_rank() {
+    let outs = with_group(2, SLOT, |_, c| {
+        let (mut a, mut b) = ([1i32; 4], [1.0f32; 4]);
+        let bufs = [Buf::from_elems_mut(&mut a), Buf::from_elems_mut(&mut b)];
+        c.allreduce_coalesced(&bufs, &[4, 4], &[DType::I32, DType::F32], ReduceOp::Band, 1.0).unwrap_err()
+    });
+    assert!(matches!(&outs[0], Error::Unsupported(m) if m.contains("BAND")), "{:?}", outs[0]);
+    assert!(matches!(&outs[1], Error::Unsupported(_)), "{:?}", outs[1]);
+}
