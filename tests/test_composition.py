@@ -376,7 +376,7 @@ def test_per_device_features():
 def test_monitored_barrier_names_the_missing_rank():
     results = spawn(child_monitored_barrier, 3, env=EMU_ENV)
     assert all(r["all_arrived"] for r in results)
-    assert "rank(s) [1] did not arrive" in results[0]["error"], results[0]
+    assert "Rank 1 failed to pass monitoredBarrier" in results[0]["error"], results[0]
     assert results[0]["seconds"] < 20, results[0]
 
 

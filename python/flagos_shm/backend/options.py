@@ -34,6 +34,7 @@ _OPTION_FIELDS = {t: (t in _REDUCE_OPTIONS, t in _ROOT_OPTIONS, t in (c10d.Broad
                   for t in _OPTIONS}
 
 _UNSET_TIMEOUT = timedelta(milliseconds=-1)  # c10d's kUnsetTimeout
+UNSET_TIMEOUT = _UNSET_TIMEOUT  # public name (collectives.barrier)
 
 
 class Args:

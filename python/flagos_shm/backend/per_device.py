@@ -30,6 +30,13 @@ from .process_group import BACKEND_NAME
 
 __all__ = ["ShmBackend"]
 
+#: Every ShmBackend not yet shut down, by id. torch keeps the C++ side of a backend alive,
+#: but a C++ owner that does not also hold the Python object (``_ProcessGroupWrapper``, which
+#: ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` puts around every plugin backend) lets Python free it;
+#: the trampoline then finds no overrides and every call ends in c10d's "getBackendName is
+#: not implemented" assert. Holding them here until shutdown keeps the overrides reachable.
+_LIVE: dict = {}
+
 if _compat.HAS_PY_BACKEND:
     class ShmBackend(Collectives, c10d.Backend):
         """flagos_shm as the c10d backend of some device types of a process group.
@@ -51,6 +58,14 @@ if _compat.HAS_PY_BACKEND:
                 raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
             super().__init__(rank, world_size)
             self._setup(store, rank, world_size, timeout, group_name)
+            _LIVE[id(self)] = self
+
+        def shutdown(self) -> None:
+            """As :meth:`Collectives.shutdown`; the backend may then be freed."""
+            try:
+                super().shutdown()
+            finally:
+                _LIVE.pop(id(self), None)
 
         _sync_returns_none = True  # see CollectiveBase: saves the work holder per synchronous call
 
@@ -123,6 +138,13 @@ if _compat.HAS_PY_BACKEND:
 
         def _set_sequence_number_for_group(self) -> None:
             """c10d asks for group sequence numbers; flagos_shm keeps its own in the core."""
+
+        def _get_sequence_number_for_group(self) -> int:
+            """The number of collectives this rank has issued on the group (the core's count).
+
+            c10d's ``_ProcessGroupWrapper`` (``TORCH_DISTRIBUTED_DEBUG=DETAIL``) compares it
+            across ranks before each collective, as it does Gloo's."""
+            return int(self._comm.seq)
 else:  # torch < 2.14: no Python Backend
     ShmBackend = None  # type: ignore[assignment,misc]
 

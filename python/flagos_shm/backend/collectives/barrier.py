@@ -29,36 +29,43 @@ class Barrier(CollectiveBase):
 
         As Gloo's ``monitoredBarrier``: group rank 0 waits for every other rank's arrival
         (a key in the group's store), then releases them. Ranks that do not arrive within
-        the timeout (``opts.timeout``, a ``timedelta``, else the group's) are named in the
-        error; with ``wait_all_ranks=False`` the first missing rank is reported, with True
-        all of them. Returns once every rank has arrived (c10d's ``monitoredBarrier``
-        returns nothing: failures are raised here, not through a work).
+        the timeout (``opts.timeout``, a ``timedelta`` or seconds, else the group's; 0 means
+        no waiting at all) are named in the error; with ``wait_all_ranks=False`` the first
+        missing rank is reported, with True all of them. Returns once every rank has arrived
+        (c10d's ``monitoredBarrier`` returns nothing: failures are raised here, not through
+        a work). The messages carry Gloo's wording, which callers (and PyTorch's own tests)
+        match on.
 
         Raises:
-            RuntimeError: on group rank 0, ``"flagos_shm monitored_barrier ...: rank(s) [..]
-                did not arrive within ... s"``; on other ranks, rank 0 did not release them
-                within the timeout.
+            RuntimeError: on group rank 0, ``"Rank 1 failed to pass monitoredBarrier in N ms"``
+                (``"Ranks 1, 2 failed ..."`` with ``wait_all_ranks`` and several missing), or,
+                with a zero timeout, ``"Rank 0 timed out in monitoredBarrier after 0 ms"``; on
+                the other ranks, ``"Rank r successfully reached monitoredBarrier, but received
+                errors while waiting for send/recv from rank 0"`` as soon as rank 0 fails, or
+                once their own timeout has passed. Each message starts with ``flagos_shm
+                monitored_barrier`` and the group's name.
         """
         name = "monitored_barrier"
         if self._closed:
             raise RuntimeError(f"flagos_shm {name}: process group {self._group_name!r} has been shut down")
-        if isinstance(opts, timedelta) or opts is None:
-            timeout_s = options.timeout_seconds(opts if opts is not None else timeout)
-        else:
-            timeout_s = options.timeout_seconds(getattr(opts, "timeout", timeout))
-        timeout_s = timeout_s or self._timeout_s
+        timeout_s = _barrier_timeout(opts if isinstance(opts, timedelta) or opts is None
+                                     else getattr(opts, "timeout", timeout), timeout, self._timeout_s)
+        ms = int(round(timeout_s * 1000))
         seq = getattr(self, "_mb_seq", 0)
         self._mb_seq = seq + 1
         base = f"flagos_shm/monitored_barrier/{seq}"
+        where = f"flagos_shm {name} on group {self._group_name!r} (rank {self._rank}/{self._world_size})"
         store = self._store
         if self._rank != 0:
             store.set(f"{base}/arrived/{self._rank}", "1")
             deadline = time.monotonic() + timeout_s
             while not store.check([f"{base}/release"]):
-                if time.monotonic() > deadline:
+                failed = store.check([f"{base}/failed"])
+                if failed or time.monotonic() > deadline:
+                    why = "rank 0 reported missing ranks" if failed else f"rank 0 did not release it within {ms} ms"
                     raise RuntimeError(
-                        f"flagos_shm {name} on group {self._group_name!r} (rank {self._rank}/{self._world_size}): "
-                        f"group rank 0 did not release this rank within {timeout_s:.3f} s")
+                        f"{where}: Rank {self._rank} successfully reached monitoredBarrier, but received errors "
+                        f"while waiting for send/recv from rank 0 ({why}); see rank 0's error for the faulty rank")
                 time.sleep(_POLL_S)
             return
         deadline = time.monotonic() + timeout_s
@@ -68,10 +75,28 @@ class Barrier(CollectiveBase):
             if not missing:
                 break
             if time.monotonic() > deadline:
-                shown = missing if wait_all_ranks else missing[:1]
+                store.set(f"{base}/failed", "1")
+                if timeout_s == 0 and not wait_all_ranks:
+                    raise RuntimeError(f"{where}: Rank 0 timed out in monitoredBarrier after 0 ms; "
+                                       f"rank(s) {missing} had not arrived")
+                if wait_all_ranks and len(missing) > 1:
+                    who = "Ranks " + ", ".join(str(r) for r in missing)
+                else:
+                    who = f"Rank {missing[0]}"
                 raise RuntimeError(
-                    f"flagos_shm {name} on group {self._group_name!r} (rank 0/{self._world_size}): "
-                    f"rank(s) {shown} did not arrive within {timeout_s:.3f} s"
-                    + ("" if wait_all_ranks else " (wait_all_ranks=True names every missing rank)"))
+                    f"{where}: {who} failed to pass monitoredBarrier in {ms} ms (did not arrive)"
+                    + ("" if wait_all_ranks else "; wait_all_ranks=True names every missing rank"))
             time.sleep(_POLL_S)
         store.set(f"{base}/release", "1")
+
+
+def _barrier_timeout(primary, secondary, group_timeout_s: float) -> float:
+    """monitored_barrier's timeout in seconds: the first of ``primary``/``secondary`` that is
+    set (a ``timedelta`` or seconds; c10d's -1 ms means unset), else the group's. Unlike the
+    collectives' timeouts, 0 is kept: rank 0 then reports at once who has not arrived."""
+    for value in (primary, secondary):
+        if value is None or value == options.UNSET_TIMEOUT:
+            continue
+        seconds = value.total_seconds() if isinstance(value, timedelta) else float(value)
+        return max(seconds, 0.0)
+    return group_timeout_s
