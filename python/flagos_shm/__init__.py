@@ -25,6 +25,7 @@ from . import _core  # noqa: F401  (fail at import time when the extension is mi
 from . import emulation  # noqa: F401  (flagos_shm.emulation.enable() after import flagos_shm)
 from .backend import BACKEND_NAME, ProcessGroupShm, ShmBackend, create_backend, uses_backend_route
 from .backend import device_map as _device_map
+from .backend import process_group as _process_group
 from .work import ShmWork
 
 __all__ = ["__version__", "BACKEND_NAME", "DEVICES", "ENV_EMULATE", "ProcessGroupShm", "ShmBackend", "ShmWork",
@@ -60,7 +61,8 @@ def register() -> None:
     On torch >= 2.14 (the per-device route, :func:`flagos_shm.backend.uses_backend_route`)
     it also adjusts torch's ``BackendConfig`` (:mod:`flagos_shm.backend.device_map`):
     ``backend="gloo"`` groups then serve the PrivateUse1 device through flagos_shm unless
-    ``FLAGOS_SHM_EXTEND_GLOO=0``.
+    ``FLAGOS_SHM_EXTEND_GLOO=0``. On every torch, ``dist.monitored_barrier`` is let through
+    for ``ProcessGroupShm`` groups (:func:`flagos_shm.backend.process_group.install_monitored_barrier`).
 
     Raises:
         ValueError: ``FLAGOS_SHM_ROUTE`` is invalid for this torch.
@@ -73,6 +75,7 @@ def register() -> None:
             _dist.Backend.default_device_backend_map[device] = BACKEND_NAME
     if uses_backend_route():
         _device_map.install(BACKEND_NAME)
+    _process_group.install_monitored_barrier()
 
 
 register()
