@@ -394,15 +394,29 @@ pub fn create(dir: &Path, world_size: usize, slot_bytes: usize) -> Result<PathBu
     remove_stale(dir);
     let total = segment_bytes(world_size, slot_bytes);
     let path = dir.join(format!("{NAME_PREFIX}{}", random_hex()?));
-    // First choice: build the segment in an unnamed file (O_TMPFILE) and give it its name
-    // only once it is complete, so a creator killed at any point leaves nothing behind.
+    create_file(dir, &path, "shared-memory segment", |file| fill(file, dir, &path, world_size, slot_bytes, total))?;
+    Ok(path)
+}
+
+/// Creates the private file `path` in `dir` (mode 0600) complete or not at all, for the
+/// group segments and the p2p pair segments alike: `fill` reserves and writes it. The file
+/// is locked (this process is its live creator, see [`remove_stale`]) before anyone can
+/// see it, and the lock is held until it is unlinked.
+///
+/// First choice: an unnamed file (`O_TMPFILE`) that gets its name only once filled, so a
+/// creator killed at any point leaves nothing behind. Where the file system or `/proc`
+/// refuses that, a named file: a creator killed between its creation and `fill` then
+/// leaves a file that no sweep can identify (no header yet).
+///
+/// Errors: `Io` naming `what` and the path; whatever `fill` returns (the file is removed).
+pub(crate) fn create_file(dir: &Path, path: &Path, what: &str, fill: impl Fn(&File) -> Result<()>) -> Result<()> {
     if let Some(file) = open_unnamed(dir) {
         // Locked before it has a name, so no sweeper ever sees it unlocked while we live.
         try_lock_exclusive(&file);
-        fill(&file, dir, &path, world_size, slot_bytes, total)?;
-        if link_unnamed(&file, &path).is_ok() {
-            hold_creator_lock(&path, file);
-            return Ok(path);
+        fill(&file)?;
+        if link_unnamed(&file, path).is_ok() {
+            hold_creator_lock(path, file);
+            return Ok(());
         }
         // Linking is refused here (no /proc, say): fall back to a named file.
     }
@@ -412,18 +426,16 @@ pub fn create(dir: &Path, world_size: usize, slot_bytes: usize) -> Result<PathBu
         .create_new(true)
         .mode(0o600)
         .custom_flags(libc::O_CLOEXEC)
-        .open(&path)
-        .map_err(|e| Error::io(format!("cannot create shared-memory segment {}", path.display()), e))?;
-    // A creator killed between here and the header write leaves a file that
-    // `remove_stale` cannot identify; only file systems without O_TMPFILE take this path.
+        .open(path)
+        .map_err(|e| Error::io(format!("cannot create {what} {}", path.display()), e))?;
     // The lock is taken before the header is written, so a sweeper that recognises the
     // file also sees it locked while we live.
     try_lock_exclusive(&file);
-    fill(&file, dir, &path, world_size, slot_bytes, total).inspect_err(|_| {
-        let _ = std::fs::remove_file(&path);
+    fill(&file).inspect_err(|_| {
+        let _ = std::fs::remove_file(path);
     })?;
-    hold_creator_lock(&path, file);
-    Ok(path)
+    hold_creator_lock(path, file);
+    Ok(())
 }
 
 /// Opens the segment file at `path` read-write (never following a symlink) and checks

@@ -169,7 +169,9 @@ pub(super) fn writable(buf: &Buf<'_>) -> Result<()> {
 }
 
 /// Creates a pair segment in `dir` and returns its path (the caller publishes it to the
-/// peer). Pages are reserved up front, so a full tmpfs fails here with the bytes needed.
+/// peer), complete or not at all and locked by its creator, as group segments are
+/// (`crate::segment::create_file`). Pages are reserved up front, so a full tmpfs fails
+/// here with the bytes needed.
 ///
 /// Errors: `InvalidArgument` for a bad geometry, `Io` naming the path and the bytes.
 pub fn create(dir: &Path, slots: usize, slot_bytes: usize) -> Result<PathBuf> {
@@ -177,51 +179,34 @@ pub fn create(dir: &Path, slots: usize, slot_bytes: usize) -> Result<PathBuf> {
     remove_stale(dir);
     let total = segment_bytes(slots, slot_bytes);
     let path = dir.join(format!("{NAME_PREFIX}{}", random_hex()?));
-    let file = OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_CLOEXEC)
-        .open(&path)
-        .map_err(|e| Error::io(format!("cannot create p2p segment {}", path.display()), e))?;
-    // Held until the file is unlinked (or this process exits), so that no sweep removes it
-    // while this creator may still be setting the pair up (`remove_stale`).
-    if let Ok(lock) = file.try_clone() {
-        if crate::segment::try_lock_exclusive(&lock) {
-            crate::segment::hold_creator_lock(&path, lock);
+    crate::segment::create_file(dir, &path, "p2p segment", |file| {
+        // SAFETY: plain syscall on an fd we own.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, total as libc::off_t) };
+        if rc != 0 {
+            return Err(Error::io(
+                format!(
+                    "cannot reserve {total} bytes for p2p segment {} (free space in {}, or lower FLAGOS_SHM_P2P_SLOT_BYTES)",
+                    path.display(),
+                    dir.display()
+                ),
+                io::Error::from_raw_os_error(rc),
+            ));
         }
-    }
-    let fail = |e: Error| {
-        crate::segment::release_creator_lock(&path);
-        let _ = std::fs::remove_file(&path);
-        e
-    };
-    // SAFETY: plain syscall on an fd we own.
-    let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, total as libc::off_t) };
-    if rc != 0 {
-        return Err(fail(Error::io(
-            format!(
-                "cannot reserve {total} bytes for p2p segment {} (free space in {}, or lower FLAGOS_SHM_P2P_SLOT_BYTES)",
-                path.display(),
-                dir.display()
-            ),
-            io::Error::from_raw_os_error(rc),
-        )));
-    }
-    let map = MmapOptions::new().len(total).map_raw(&file).map_err(|e| fail(Error::io(format!("cannot map {}", path.display()), e)))?;
-    // SAFETY: the mapping is `total` >= PAGE bytes, page aligned; nobody else knows the
-    // path yet, so this plain write cannot race.
-    unsafe {
-        (map.as_mut_ptr() as *mut Header).write(Header {
-            magic: MAGIC,
-            version: VERSION,
-            slots: slots as u32,
-            slot_bytes: slot_bytes as u64,
-            total_bytes: total as u64,
-            creator_uid: euid(),
-            creator_pid: std::process::id(),
-        });
-    }
+        let map = MmapOptions::new().len(total).map_raw(file).map_err(|e| Error::io(format!("cannot map {}", path.display()), e))?;
+        // SAFETY: the mapping is `total` >= PAGE bytes, page aligned; nobody else knows
+        // the file yet, so this plain write cannot race.
+        unsafe {
+            (map.as_mut_ptr() as *mut Header).write(Header {
+                magic: MAGIC,
+                version: VERSION,
+                slots: slots as u32,
+                slot_bytes: slot_bytes as u64,
+                total_bytes: total as u64,
+                creator_uid: euid(),
+                creator_pid: std::process::id(),
+            });
+        }
+        Ok(())
+    })?;
     Ok(path)
 }
