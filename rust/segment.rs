@@ -482,24 +482,31 @@ fn link_unnamed(file: &File, path: &Path) -> io::Result<()> {
     }
 }
 
-/// Reserves `total` bytes for `file` (to become the segment `path` in `dir`) and writes
-/// the header. Errors name `path`; a full file system names the bytes free in `dir`.
-fn fill(file: &File, dir: &Path, path: &Path, world_size: usize, slot_bytes: usize, total: usize) -> Result<()> {
+/// Reserves `total` bytes for `file` (to become the segment `path` in `dir`) and maps
+/// them, for the group and the p2p segments alike. Errors name `what`, `path` and, for a
+/// full file system, the bytes free in `dir` and `hint` (which setting to lower).
+pub(crate) fn reserve_and_map(file: &File, dir: &Path, path: &Path, total: usize, what: &str, hint: &str) -> Result<MmapRaw> {
     // SAFETY: plain syscall on an fd we own.
     let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, total as libc::off_t) };
     if rc != 0 {
         let free = free_bytes(dir).map_or("unknown".to_string(), |f| f.to_string());
         return Err(Error::io(
             format!(
-                "cannot reserve {total} bytes for shared-memory segment {} ({free} bytes free in {}; \
-                 free space there, or set FLAGOS_SHM_DIR to another tmpfs or FLAGOS_SHM_SLOT_BYTES lower)",
+                "cannot reserve {total} bytes for {what} {} ({free} bytes free in {}; free space there, or {hint})",
                 path.display(),
                 dir.display()
             ),
             io::Error::from_raw_os_error(rc),
         ));
     }
-    let map = MmapOptions::new().len(total).map_raw(file).map_err(|e| Error::io(format!("cannot map {}", path.display()), e))?;
+    MmapOptions::new().len(total).map_raw(file).map_err(|e| Error::io(format!("cannot map {}", path.display()), e))
+}
+
+/// Reserves `total` bytes for `file` (to become the segment `path` in `dir`) and writes
+/// the header. Errors name `path`; a full file system names the bytes free in `dir`.
+fn fill(file: &File, dir: &Path, path: &Path, world_size: usize, slot_bytes: usize, total: usize) -> Result<()> {
+    let hint = "set FLAGOS_SHM_DIR to another tmpfs or FLAGOS_SHM_SLOT_BYTES lower";
+    let map = reserve_and_map(file, dir, path, total, "shared-memory segment", hint)?;
     // SAFETY: the mapping is `total` bytes, page aligned, and nobody else knows the file
     // yet, so this plain write cannot race.
     unsafe {

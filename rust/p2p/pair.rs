@@ -4,11 +4,8 @@
 use crate::buffer::Buf;
 use crate::error::{Error, Result};
 use crate::segment::random_hex;
-use memmap2::MmapOptions;
 use std::fs::{File, OpenOptions};
-use std::io;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
-use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::time::Duration;
@@ -180,19 +177,8 @@ pub fn create(dir: &Path, slots: usize, slot_bytes: usize) -> Result<PathBuf> {
     let total = segment_bytes(slots, slot_bytes);
     let path = dir.join(format!("{NAME_PREFIX}{}", random_hex()?));
     crate::segment::create_file(dir, &path, "p2p segment", |file| {
-        // SAFETY: plain syscall on an fd we own.
-        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, total as libc::off_t) };
-        if rc != 0 {
-            return Err(Error::io(
-                format!(
-                    "cannot reserve {total} bytes for p2p segment {} (free space in {}, or lower FLAGOS_SHM_P2P_SLOT_BYTES)",
-                    path.display(),
-                    dir.display()
-                ),
-                io::Error::from_raw_os_error(rc),
-            ));
-        }
-        let map = MmapOptions::new().len(total).map_raw(file).map_err(|e| Error::io(format!("cannot map {}", path.display()), e))?;
+        let hint = "lower FLAGOS_SHM_P2P_SLOT_BYTES";
+        let map = crate::segment::reserve_and_map(file, dir, &path, total, "p2p segment", hint)?;
         // SAFETY: the mapping is `total` >= PAGE bytes, page aligned; nobody else knows
         // the file yet, so this plain write cannot race.
         unsafe {
