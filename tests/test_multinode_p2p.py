@@ -2,7 +2,7 @@
 ``test_multinode.py``: 2 nodes x 2 ranks (``FLAGOS_SHM_NODE_ID``, and for one test the
 second node in its own mount namespace with a private ``/dev/shm``, so that nothing can
 cross between the nodes through shared memory). Pairs inside a node use shared-memory
-channels, pairs across nodes Gloo (``flagos_shm/backend/hierarchy_p2p.py``).
+channels, pairs across nodes Gloo (``flagos_shm/backend/hierarchy/p2p.py``).
 
 Values are checked against what the sender generates (every rank can generate every
 rank's tensors from a seed); a pipeline-style exchange against the same stages computed

@@ -1,4 +1,4 @@
-"""The reduce-scatter variant of the hierarchical allreduce (``backend/hierarchy_rs.py``),
+"""The reduce-scatter variant of the hierarchical allreduce (``backend/hierarchy/rs.py``),
 simulated 2 nodes x 2 ranks by ``FLAGOS_SHM_NODE_ID`` as in ``test_multinode.py``: every
 op and dtype of the one-node path against references computed in float64 / exact integer
 arithmetic, results bitwise identical on every rank, which path each call took

@@ -24,7 +24,7 @@ Variables:
         allreduce (bytes of the tensor) that runs as in-node reduce-scatter, Gloo among the
         ranks of equal local rank, in-node allgather (default
         :data:`DEFAULT_HIER_RS_MIN_BYTES`; ``0`` always, ``off`` never; see
-        :mod:`flagos_shm.backend.hierarchy_rs`).
+        :mod:`flagos_shm.backend.hierarchy.rs`).
         Every rank must use the same value (a disagreement raises ValueError on every rank).
     FLAGOS_SHM_PLAN: ``auto`` (default: measured once per machine and cached), ``calibrate``,
         ``fallback`` or explicit thresholds: which algorithm each collective uses at which

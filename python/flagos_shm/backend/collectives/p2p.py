@@ -39,8 +39,9 @@ import torch
 
 from ... import _compat, _core, staging
 from ...work import ShmWork
-from .. import hierarchy_p2p, options
+from .. import options
 from ..config import segment_config
+from ..hierarchy import p2p as hierarchy_p2p
 from .base import CollectiveBase
 
 __all__ = ["PointToPoint", "P2PWork", "ENV_P2P_SLOTS", "ENV_P2P_SLOT_BYTES", "p2p_geometry"]
@@ -308,7 +309,7 @@ class PointToPoint(CollectiveBase):
         return is_remote is not None and is_remote(peer)
 
     def _remote_issue(self, name: str, tensor, buf, peer: int, tag, direction: str) -> P2PWork:
-        """Issue a send or receive to a peer on another node (:mod:`..hierarchy_p2p`): one
+        """Issue a send or receive to a peer on another node (:mod:`..hierarchy.p2p`): one
         worker per (peer, direction, tag), so that a receive never waits behind a message of
         another tag. Ctrl-C in ``wait()`` aborts the whole group (Gloo cannot abort one pair)."""
         comm = self._comm

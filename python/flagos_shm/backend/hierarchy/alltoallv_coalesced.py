@@ -1,4 +1,4 @@
-"""Uneven all-to-all and coalesced batches of a :class:`~.hierarchy.HierarchicalComm`.
+"""Uneven all-to-all and coalesced batches of a :class:`~flagos_shm.backend.hierarchy.HierarchicalComm`.
 
 * alltoallv: an allgather of every rank's send and receive counts over the all-ranks Gloo
   group, checked as on one node (ValueError on every rank naming the first pair whose sizes
@@ -11,22 +11,12 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
-from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions
+from torch._C._distributed_c10d import AllToAllOptions
 
-from . import hierarchy as _h  # a cycle: names are looked up at call time
-
-
-def _allgather_all(comm, t: torch.Tensor, timeout_s: float) -> torch.Tensor:
-    """Gloo allgather of ``t`` (1-D int64) over all ranks: [world_size, numel]."""
-    pg = comm._gloo("all")
-    out = torch.empty(pg.size() * t.numel(), dtype=t.dtype)
-    opts = AllgatherOptions()
-    opts.timeout = timedelta(seconds=timeout_s)
-    pg._allgather_base(out, t, opts).wait()
-    return out.view(pg.size(), -1)
+from . import groups
+from .host import _TORCH, _checked_view
+from .protocol import _DTYPE_CODE, _KIND_CODE, aborting
 
 
 def alltoallv(comm, in_ptr, in_nbytes, out_ptr, out_nbytes, send_counts, recv_counts, dtype, timeout_s=None,
@@ -37,14 +27,14 @@ def alltoallv(comm, in_ptr, in_nbytes, out_ptr, out_nbytes, send_counts, recv_co
     for arg, counts in (("send_counts", send), ("recv_counts", recv)):
         if len(counts) != comm._n or any(c < 0 for c in counts):
             raise ValueError(f"{arg}: expected {comm._n} non-negative counts, got {counts}")
-    inp = _h._checked_view("in_nbytes", in_ptr, in_nbytes, sum(send), dtype).view(torch.uint8)
-    out = _h._checked_view("out_nbytes", out_ptr, out_nbytes, sum(recv), dtype).view(torch.uint8)
-    es = torch.empty((), dtype=_h._TORCH[dtype]).element_size()
+    inp = _checked_view("in_nbytes", in_ptr, in_nbytes, sum(send), dtype).view(torch.uint8)
+    out = _checked_view("out_nbytes", out_ptr, out_nbytes, sum(recv), dtype).view(torch.uint8)
+    es = torch.empty((), dtype=_TORCH[dtype]).element_size()
 
     def job() -> None:
-        try:
-            comm._exchange((_h._KIND_CODE["alltoall"], -1, _h._DTYPE_CODE[dtype], 0, 0), t, group="all")
-            rows = _allgather_all(comm, torch.tensor(send + recv, dtype=torch.int64), t)
+        with aborting(comm):
+            comm._exchange((_KIND_CODE["alltoall"], -1, _DTYPE_CODE[dtype], 0, 0), t, group="all")
+            rows = groups.allgather_rows(comm._gloo("all"), torch.tensor(send + recv, dtype=torch.int64), t)
             n = comm._n
             bad = [(p, q) for p in range(n) for q in range(n) if rows[p, q] != rows[q, n + p]]
             if bad:
@@ -53,15 +43,8 @@ def alltoallv(comm, in_ptr, in_nbytes, out_ptr, out_nbytes, send_counts, recv_co
                                  f"to rank {q}, which expects {int(rows[q, n + p])} from it ({len(bad)} such "
                                  "pair(s)); no data was exchanged")
             if int(rows[:, :n].sum()):
-                opts = AllToAllOptions()
-                opts.timeout = timedelta(seconds=t)
                 comm._gloo("all").alltoall_base(out, inp, [c * es for c in recv], [c * es for c in send],
-                                                opts).wait()
-        except ValueError:
-            raise
-        except BaseException as exc:
-            comm.abort(f"{type(exc).__name__}: {exc}")
-            raise
+                                                groups.timed(AllToAllOptions, t)).wait()
     return comm._dispatch(job, done)
 
 # ---- coalesced batches: the tensors one after another, in one call ---------------------
@@ -69,7 +52,7 @@ def alltoallv(comm, in_ptr, in_nbytes, out_ptr, out_nbytes, send_counts, recv_co
 
 def allreduce_coalesced(comm, ptrs, nbytes, numels, dtypes, op, factor=1.0, timeout_s=None, done=None) -> int:
     t = comm._t(timeout_s)
-    xs = [_h._checked_view(f"nbytes[{i}]", p, b, k, d)
+    xs = [_checked_view(f"nbytes[{i}]", p, b, k, d)
           for i, (p, b, k, d) in enumerate(zip(ptrs, nbytes, numels, dtypes))]
 
     def job() -> None:
@@ -81,7 +64,7 @@ def allreduce_coalesced(comm, ptrs, nbytes, numels, dtypes, op, factor=1.0, time
 def allgather_coalesced(comm, in_ptrs, in_nbytes, out_ptrs, out_nbytes, numels, dtypes, timeout_s=None,
                         done=None) -> int:
     t = comm._t(timeout_s)
-    items = [(_h._checked_view(f"in_nbytes[{i}]", ip, ib, k, d), _h._checked_view(f"out_nbytes[{i}]", op_, ob,
+    items = [(_checked_view(f"in_nbytes[{i}]", ip, ib, k, d), _checked_view(f"out_nbytes[{i}]", op_, ob,
                                                                               comm._n * k, d), d)
              for i, (ip, ib, op_, ob, k, d) in enumerate(zip(in_ptrs, in_nbytes, out_ptrs, out_nbytes, numels,
                                                              dtypes))]
@@ -95,7 +78,7 @@ def allgather_coalesced(comm, in_ptrs, in_nbytes, out_ptrs, out_nbytes, numels, 
 def reduce_scatter_coalesced(comm, in_ptrs, in_nbytes, out_ptrs, out_nbytes, numels, dtypes, op, factor=1.0,
                              timeout_s=None, done=None) -> int:
     t = comm._t(timeout_s)
-    items = [(_h._checked_view(f"in_nbytes[{i}]", ip, ib, comm._n * k, d), _h._checked_view(f"out_nbytes[{i}]", op_,
+    items = [(_checked_view(f"in_nbytes[{i}]", ip, ib, comm._n * k, d), _checked_view(f"out_nbytes[{i}]", op_,
                                                                                        ob, k, d), k, d)
              for i, (ip, ib, op_, ob, k, d) in enumerate(zip(in_ptrs, in_nbytes, out_ptrs, out_nbytes, numels,
                                                              dtypes))]

@@ -33,14 +33,14 @@ identical on every rank either way.
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, ProcessGroupGloo
+from torch._C._distributed_c10d import ProcessGroupGloo
 
-from .. import staging
-from . import config
+from ... import staging
+from .. import config
+from . import groups
+from .host import AVG, PREMUL_SUM, SUM, _acc_dtype, _combine, _nbytes
+from .protocol import _DTYPE_CODE, _KIND_CODE
 
 __all__ = ["eligible", "allreduce_rs", "close_columns"]
 
@@ -71,9 +71,8 @@ def _column(comm, j: int) -> ProcessGroupGloo:
     if pg is None:
         if comm._aborted is not None:
             raise RuntimeError(f"flagos_shm: the multi-node group was aborted ({comm._aborted})")
-        store = dist.PrefixStore(f"{comm._layout.base}/gloo-col/{j}", comm._store)
-        pg = cols[j] = ProcessGroupGloo(store, comm._layout.node, len(comm._nodes),
-                                        timedelta(seconds=comm._timeout_s))
+        pg = cols[j] = groups.make_column(comm._store, comm._layout.base, j, comm._layout.node, len(comm._nodes),
+                                          comm._timeout_s)
     return pg
 
 
@@ -81,11 +80,7 @@ def close_columns(comm, abort: bool) -> None:
     """Abort (``abort``) or shut down and drop the column groups (idempotent)."""
     cols = comm.__dict__.get("_columns") or {}
     comm._columns = {}
-    for pg in cols.values():
-        try:
-            pg.abort() if abort else pg.shutdown()
-        except Exception:  # noqa: BLE001  best effort: dropping it closes its connections
-            pass
+    groups.release(cols.values(), abort)
 
 
 def allreduce_rs(comm, kind: str, x: torch.Tensor, dtype: str, op: int, factor: float, root: int,
@@ -97,8 +92,6 @@ def allreduce_rs(comm, kind: str, x: torch.Tensor, dtype: str, op: int, factor: 
         ValueError: ranks disagree (every rank raises; the group stays usable).
         RuntimeError: a rank died, Gloo failed or the timeout ``t`` (seconds) passed (the group is aborted).
     """
-    from .hierarchy import _DTYPE_CODE, _KIND_CODE, AVG, PREMUL_SUM, SUM, _acc_dtype, _combine, _nbytes
-
     k, n = comm.local_size, x.numel()
     c = -(-n // k)
     acc = _acc_dtype(x.dtype, op)
@@ -118,15 +111,11 @@ def allreduce_rs(comm, kind: str, x: torch.Tensor, dtype: str, op: int, factor: 
     def post() -> None:
         comm.local.barrier(t)  # raises ValueError here if this node's leader found a disagreement
         pg = _column(comm, j)
-        rows = torch.empty(pg.size() * c, dtype=acc)
-        opts = AllgatherOptions()
-        opts.timeout = timedelta(seconds=t)
         try:
-            pg._allgather_base(rows.view(torch.uint8), part.view(torch.uint8), opts).wait()
+            rows = groups.allgather_rows(pg, part, t)
         except RuntimeError as exc:
             raise RuntimeError(f"among the ranks of local rank {j} (Gloo; another node failed, or a rank there "
                                f"exited or was aborted): {exc}") from exc
-        rows = rows.view(pg.size(), c)
         inter_op = SUM if op in (AVG, PREMUL_SUM) else op
         result = rows[0].clone()
         for r in range(1, rows.shape[0]):  # node order, the same on every rank of the column

@@ -5,7 +5,7 @@ path's semantics.
 shared-memory channel; to a peer on another node of a :class:`~flagos_shm.backend.hierarchy.HierarchicalComm`
 group it calls :func:`send` / :func:`recv` here, over the group's all-ranks
 ``ProcessGroupGloo`` (ranks = group ranks, made with Gloo's lazy connection set-up so that
-only the pairs that talk connect: see ``HierarchicalComm._all_group``).
+only the pairs that talk connect: see :func:`.groups.make_all`).
 
 One message of ``N`` bytes with user tag ``t`` is three Gloo messages on that pair:
 

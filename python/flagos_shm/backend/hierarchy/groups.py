@@ -1,0 +1,90 @@
+"""The Gloo sub-groups of a :class:`~flagos_shm.backend.hierarchy.HierarchicalComm`: made on
+the group's store under private prefixes of the rendezvous base (``layout.base``), torn
+down with the group, and the options every Gloo call takes.
+
+* ``gloo-leaders``: the node leaders (rank = node index), made when the group is made,
+  once every node has attached (:func:`connect_leaders`);
+* ``gloo-all``: every rank (rank = group rank), made on first use with Gloo's lazy
+  connections (:func:`make_all`);
+* ``gloo-col/<j>``: the ranks of local rank ``j``, one per node (rank = node index), made on
+  first use by the reduce-scatter path (:func:`make_column`; :mod:`.rs`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, ProcessGroupGloo
+
+from .. import rendezvous
+
+_GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
+
+
+def connect_leaders(store: dist.Store, layout, timeout_s: float) -> ProcessGroupGloo:
+    """On a node leader: wait until every node has attached (Gloo's own connect would wait
+    for a leader that gave up until the store's timeout), then make the leaders' group.
+
+    Raises:
+        RuntimeError: a node did not attach within ``timeout_s`` seconds, or Gloo failed.
+    """
+    base = layout.base
+    store.set(f"{base}/leader-ready/{layout.node}", "1")
+    rendezvous.wait_keys(store, [f"{base}/leader-ready/{k}" for k in range(len(layout.nodes))],
+                         time.monotonic() + timeout_s, "waiting for every node to attach",
+                         dict, base)
+    return ProcessGroupGloo(dist.PrefixStore(f"{base}/gloo-leaders", store), layout.node,
+                            len(layout.nodes), timedelta(seconds=timeout_s))
+
+
+def make_all(store: dist.Store, base: str, rank: int, world_size: int, timeout_s: float) -> ProcessGroupGloo:
+    """The all-ranks group. Gloo's lazy set-up (``TORCH_GLOO_LAZY_INIT``, read when a group
+    is made) connects a pair when it first talks, so two ranks that only exchange messages
+    need no one else. The caller serializes (the variable is process-wide)."""
+    saved = os.environ.get(_GLOO_LAZY)
+    os.environ[_GLOO_LAZY] = "1"
+    try:
+        return ProcessGroupGloo(dist.PrefixStore(f"{base}/gloo-all", store), rank, world_size,
+                                timedelta(seconds=timeout_s))
+    finally:
+        if saved is None:
+            os.environ.pop(_GLOO_LAZY, None)
+        else:
+            os.environ[_GLOO_LAZY] = saved
+
+
+def make_column(store: dist.Store, base: str, j: int, node: int, n_nodes: int, timeout_s: float) -> ProcessGroupGloo:
+    """The group of the ranks of local rank ``j`` (one per node, ranked by node)."""
+    return ProcessGroupGloo(dist.PrefixStore(f"{base}/gloo-col/{j}", store), node, n_nodes,
+                            timedelta(seconds=timeout_s))
+
+
+def release(groups: Iterable, abort: bool) -> None:
+    """Abort (``abort``: the peers' calls on them then fail at once) or shut down each group
+    that is not None; best effort (dropping a group closes its connections)."""
+    for pg in groups:
+        if pg is not None:
+            try:
+                pg.abort() if abort else pg.shutdown()
+            except Exception:  # noqa: BLE001  best effort: dropping it closes its connections
+                pass
+
+
+def timed(opts_type, timeout_s: float):
+    """An options object of ``opts_type`` (``AllgatherOptions``...) with ``timeout_s`` seconds."""
+    opts = opts_type()
+    opts.timeout = timedelta(seconds=timeout_s)
+    return opts
+
+
+def allgather_rows(pg: ProcessGroupGloo, t: torch.Tensor, timeout_s: float) -> torch.Tensor:
+    """Gloo allgather of ``t`` (1-D, contiguous) over ``pg``: ``[pg.size(), numel]`` of ``t.dtype``."""
+    flat = t.reshape(-1).view(torch.uint8)
+    out = torch.empty(pg.size() * flat.numel(), dtype=torch.uint8)
+    pg._allgather_base(out, flat, timed(AllgatherOptions, timeout_s)).wait()
+    return out.view(t.dtype).view(pg.size(), -1)

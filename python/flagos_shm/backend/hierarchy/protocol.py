@@ -1,0 +1,116 @@
+"""What every call of a :class:`~flagos_shm.backend.hierarchy.HierarchicalComm` runs around
+its data: the phases (node step, leaders' step, node step), the descriptor the leaders
+exchange first, and the failure shape.
+
+Before the data of every call the leaders (or, for all-to-all, all ranks) allgather a small
+descriptor ``(failed, kind, element count, dtype, op, root)``: ranks that disagree, or a
+peer that rejected its arguments, make every rank raise ``ValueError`` and the group stays
+usable. Any other failure aborts the group (:func:`aborting`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ... import staging
+from .. import options
+from . import groups
+
+_DTYPE_CODE = {name: i + 1 for i, name in enumerate(staging.CORE_DTYPES.values())}
+_KINDS = ("barrier", "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather", "scatter", "alltoall",
+          "allreduce_rs", "reduce_rs", "reduce_scatter_rs")  # *_rs: the path of :mod:`.rs`
+_KIND_CODE = {k: i + 1 for i, k in enumerate(_KINDS)}
+_ALLTOALL_NAMES = ("alltoall", "all_to_all_single", "alltoall_base", "alltoallv")
+
+
+@contextlib.contextmanager
+def aborting(comm):
+    """Run the block; a ``ValueError`` (ranks disagree: every rank raises it, the group stays
+    usable) passes through, any other error (a dead rank, a timeout, Gloo failing, an
+    interrupt) first aborts ``comm``'s whole group on this rank, then propagates."""
+    try:
+        yield
+    except ValueError:
+        raise
+    except BaseException as exc:
+        comm.abort(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+class Protocol:
+    """Mixin of :class:`~flagos_shm.backend.hierarchy.HierarchicalComm`: the descriptor
+    exchange and the phases of one call (module docstring)."""
+
+    def _exchange(self, header: tuple, timeout_s: float, failed: bool = False, group: str = "leaders") -> None:
+        """Allgather ``(failed, *header)`` among the leaders (or all ranks); ValueError if a
+        peer failed the call or the headers differ (not when ``failed``: the caller raises its
+        own error)."""
+        mine = torch.tensor([int(failed), *header], dtype=torch.int64)
+        rows = groups.allgather_rows(self._gloo(group), mine, timeout_s)
+        if failed:
+            return
+        who = (lambda k: f"node {k} (group ranks {self._nodes[k]})") if group == "leaders" else \
+            (lambda k: f"group rank {k}")
+        bad = [k for k in range(rows.shape[0]) if rows[k, 0]]
+        if bad:
+            raise ValueError(f"flagos_shm {_KINDS[header[0] - 1]}: {', '.join(map(who, bad))} rejected the call "
+                             "(a rank there failed it; see its error)")
+        if not bool((rows[:, 1:] == mine[1:]).all()):
+            calls = "; ".join(f"{who(k)}: {self._describe(rows[k, 1:].tolist())}" for k in range(rows.shape[0]))
+            raise ValueError(f"flagos_shm: ranks disagree on the collective (kind, element count, dtype, op, root): "
+                             f"{calls}")
+
+    @staticmethod
+    def _describe(h: list) -> str:
+        kind = _KINDS[h[0] - 1] if 0 < h[0] <= len(_KINDS) else h[0]
+        dtype = next((n for n, c in _DTYPE_CODE.items() if c == h[2]), h[2])
+        return f"{kind}({h[1]} x {dtype}, op {options.OP_NAMES[h[3]] if 0 <= h[3] < 9 else h[3]}, root {h[4]})"
+
+    def _allgather_rows(self, t: torch.Tensor, timeout_s: float) -> torch.Tensor:
+        """Gloo allgather of ``t`` (1-D, contiguous) among the leaders: [n_nodes, numel]."""
+        return groups.allgather_rows(self._gloo("leaders"), t, timeout_s)
+
+    def _phases(self, header: tuple, timeout_s: float, pre, inter, post) -> None:
+        """Run one call: the node step ``pre``, on the leaders the descriptor exchange and
+        ``inter``, the node step ``post`` (each may be None). Disagreement (ValueError) is
+        passed on so that every rank raises it and the group stays usable; any other error
+        aborts the group (:func:`aborting`)."""
+        pre, post = self._in_node(pre), self._in_node(post)
+        with aborting(self):
+            if pre is not None:
+                try:
+                    pre()
+                except ValueError:
+                    if self.leader:
+                        self._exchange(header, timeout_s, failed=True)
+                    raise
+            if self.leader:
+                try:
+                    self._exchange(header, timeout_s)
+                    if inter is not None:
+                        inter()
+                except ValueError:
+                    if post is not None:
+                        self.local.fail(_KINDS[header[0] - 1], "", timeout_s)
+                    raise
+                except RuntimeError as exc:
+                    raise options.with_context(exc, f"between the node leaders (Gloo; another node failed, or its "
+                                                    f"leader exited or was aborted): {exc}") from exc
+            if post is not None:
+                post()
+
+    def _in_node(self, step):
+        """``step`` with its errors naming the node (the core numbers a node's ranks 0, 1, ...)."""
+        if step is None:
+            return None
+        members = self._nodes[self._layout.node]
+
+        def run() -> None:
+            try:
+                step()
+            except Exception as exc:
+                raise options.with_context(exc, f"{exc} (in node {self._layout.node}, whose ranks "
+                                                f"0..{len(members) - 1} are group ranks {members})") from exc
+        return run
