@@ -103,3 +103,33 @@ def test_overlap_detection():
     assert a.overlaps(staging.stage(base[4:6], "b"))
     assert not a.overlaps(staging.stage(base[5:10], "c"))
     assert not a.overlaps(staging.stage(base[2:2], "empty"))
+
+
+def test_pinned_pool_release_under_its_own_lock_does_not_deadlock():
+    """``release`` runs from ``HostBuffer.__del__``, hence from the garbage collector at any
+    allocation, also inside ``acquire`` on a thread that holds the pool's lock: it must not
+    wait for that lock (it used to: the rank hung in test_alltoallv_coalesced), and the
+    buffer must still come back for reuse."""
+    import threading
+
+    pool = staging.PinnedPool(1 << 20)
+    buf = torch.zeros(staging.PinnedPool.MIN_BYTES, dtype=torch.uint8)  # plain memory is enough here
+
+    def give_back_while_holding_the_lock() -> None:
+        with pool._lock:
+            pool.release(buf)
+    t = threading.Thread(target=give_back_while_holding_the_lock, daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "release() waited for the lock its own thread holds"
+    assert pool.idle_bytes == buf.numel()
+    assert pool.acquire(16) is buf and pool.idle_bytes == 0
+
+
+def test_pinned_pool_keeps_at_most_its_limit_smallest_freed_first():
+    pool = staging.PinnedPool(3 << 16)
+    bufs = [torch.zeros(k << 16, dtype=torch.uint8) for k in (1, 2, 1)]
+    for b in bufs:
+        pool.release(b)
+    assert pool.idle_bytes == 3 << 16  # the first 64 KiB one went: over the limit, smallest first
+    assert pool.acquire(1 << 17) is bufs[1] and pool.acquire(1) is bufs[2]

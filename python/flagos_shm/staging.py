@@ -24,6 +24,7 @@ tensor:
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 from typing import Optional
@@ -304,17 +305,24 @@ class PinnedPool:
             raise ValueError(f"limit_bytes: expected >= 0, got {limit_bytes}")
         self.limit_bytes = limit_bytes
         self._idle: list = []  # (size, uint8 pinned tensor, event or None), sorted by size
+        # Given back but not yet in _idle: release() runs from HostBuffer.__del__, so also from
+        # the garbage collector, at any allocation, on a thread that may hold _lock itself
+        # (inside acquire): it appends here without the lock (deque.append is atomic) and
+        # whoever holds the lock next moves the buffers into _idle (_settle).
+        self._returned: collections.deque = collections.deque()
         self._lock = threading.Lock()
 
     @property
     def idle_bytes(self) -> int:
         """Bytes of pinned buffers currently held for reuse."""
         with self._lock:
+            self._settle()
             return sum(size for size, _, _ in self._idle)
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 pinned tensor of at least ``nbytes`` bytes, free to overwrite."""
         with self._lock:
+            self._settle()
             for i, (size, buf, event) in enumerate(self._idle):
                 if size >= nbytes:
                     del self._idle[i]
@@ -329,16 +337,31 @@ class PinnedPool:
         return buf
 
     def release(self, buf: torch.Tensor, event=None) -> None:
-        """Give ``buf`` back; ``event`` (if any) completes when the last copy from it did."""
-        with self._lock:
-            self._idle.append((buf.numel(), buf, event))
-            self._idle.sort(key=lambda item: item[0])
-            total = sum(size for size, _, _ in self._idle)
-            while self._idle and total > self.limit_bytes:
-                size, _, old_event = self._idle.pop(0)
-                if old_event is not None:
-                    old_event.synchronize()
-                total -= size
+        """Give ``buf`` back; ``event`` (if any) completes when the last copy from it did.
+        Never blocks: when the pool's lock is held (by another thread, or by this one when
+        the garbage collector runs a finaliser inside :meth:`acquire`), the lock's holder or
+        the next call files the buffer."""
+        self._returned.append((buf.numel(), buf, event))
+        if self._lock.acquire(blocking=False):
+            try:
+                self._settle()
+            finally:
+                self._lock.release()
+
+    def _settle(self) -> None:
+        """Under the lock: file the returned buffers by size, then free idle ones beyond
+        ``limit_bytes``, smallest first."""
+        if not self._returned:
+            return
+        while self._returned:
+            self._idle.append(self._returned.popleft())
+        self._idle.sort(key=lambda item: item[0])
+        total = sum(size for size, _, _ in self._idle)
+        while self._idle and total > self.limit_bytes:
+            size, _, old_event = self._idle.pop(0)
+            if old_event is not None:
+                old_event.synchronize()
+            total -= size
 
 
 _pool: Optional[PinnedPool] = None
