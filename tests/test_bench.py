@@ -22,7 +22,7 @@ import tempfile
 import pytest
 
 from flagos_shm import bench
-from flagos_shm._bench_common import DTYPES, busbw_factor, case_numel, iterations, summarize
+from flagos_shm.bench.common import DTYPES, busbw_factor, case_numel, iterations, summarize
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 HAS_MPI = importlib.util.find_spec("mpi4py") is not None and bool(shutil.which("mpirun") or shutil.which("mpiexec"))

@@ -21,7 +21,7 @@ import tempfile
 import time
 from typing import List, Optional, Sequence
 
-from ._bench_common import REFERENCE, human, iterations, summarize
+from .common import REFERENCE, human, iterations, summarize
 
 #: Timed iterations of the cross-process copy at most.
 XCOPY_MAX_ITERS = 100
@@ -109,13 +109,13 @@ def _spin(words, k: int, value: int) -> None:
 
 def plan_info(group) -> Optional[dict]:
     """The flagos_shm group's plan and where it came from, or None."""
-    from .backend import shm_part
+    from ..backend import shm_part
 
     pg = shm_part(group, "cpu")
     comm = getattr(pg, "_comm", None)
     if comm is None or not hasattr(comm, "plan"):
         return None
-    from .backend import plan as plan_mod
+    from ..backend import plan as plan_mod
 
     p = comm.plan
     return {"plan": p, "source": getattr(pg, "_plan_source", "?"), "text": plan_mod.describe(p)}

@@ -1,5 +1,5 @@
 """Torch-free rules of :mod:`flagos_shm.bench`, shared with the MPI ranks
-(:mod:`flagos_shm._mpi_bench`, which runs without importing torch): ops, dtypes, sizes S,
+(:mod:`flagos_shm.bench.mpi_rank`, which runs without importing torch): ops, dtypes, sizes S,
 iteration counts, statistics and the result record. See :mod:`flagos_shm.bench` for the
 method.
 """

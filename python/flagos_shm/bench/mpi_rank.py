@@ -1,9 +1,9 @@
 """The MPI part of :mod:`flagos_shm.bench` (private): one rank of ``mpirun -n N python
-.../flagos_shm/_mpi_bench.py PLAN.json OUT.json``.
+.../flagos_shm/bench/mpi_rank.py PLAN.json OUT.json``.
 
-Run as a script (not ``-m flagos_shm._mpi_bench``) so that the ranks do not import the
+Run as a script (not ``-m flagos_shm.bench.mpi_rank``) so that the ranks do not import the
 package, hence torch: two ranks importing torch under mpirun took about 9 s on 2 cores.
-Only numpy, mpi4py and :mod:`flagos_shm._bench_common` (torch-free) are loaded.
+Only numpy, mpi4py and :mod:`flagos_shm.bench.common` (torch-free) are loaded.
 
 Times ``Allreduce`` (in place, SUM), ``Allgather``, ``Reduce_scatter_block`` (SUM),
 ``Bcast`` (root 0) and ``Alltoall`` of mpi4py on numpy buffers with the same sizes,
@@ -25,10 +25,10 @@ import time
 import numpy as np
 
 if __package__:
-    from ._bench_common import MPI_DTYPES, case_numel, iterations, make_record, summarize
+    from .common import MPI_DTYPES, case_numel, iterations, make_record, summarize
 else:  # run as a script by mpirun: load the sibling module without the package
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from _bench_common import MPI_DTYPES, case_numel, iterations, make_record, summarize
+    from common import MPI_DTYPES, case_numel, iterations, make_record, summarize
 
 
 class WrongResult(RuntimeError):
@@ -90,7 +90,7 @@ def _case(MPI, comm, op: str, dtype: str, requested: int):
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 2:
-        print("usage: mpirun -n N python .../flagos_shm/_mpi_bench.py PLAN.json OUT.json", file=sys.stderr)
+        print("usage: mpirun -n N python .../flagos_shm/bench/mpi_rank.py PLAN.json OUT.json", file=sys.stderr)
         return 2
     with open(argv[0]) as fh:
         plan = json.load(fh)

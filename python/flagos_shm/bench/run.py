@@ -1,0 +1,177 @@
+"""One benchmark rank from start to end (:func:`worker`) and the entry point (:func:`main`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict
+from datetime import timedelta
+from typing import List, Optional, Sequence
+
+from .. import _launch
+from . import limit
+from .common import (BANDWIDTH_DEFINITION, ITER_BUDGET_BYTES, MAX_ITERS, MIN_ITERS, REFERENCE, SCHEMA,
+                     TIME_DEFINITION, human, iterations)
+from .machine import command_line, cpu_model, machine_info, setup_device
+from .mpi import run_mpi
+from .overhead import measure_overhead
+from .plan import build_parser, output_paths, plan_from_args
+from .progress import Progress
+from .tables import ratios, report
+from .timing import measure, measure_copy
+
+
+def worker(args, argv: Sequence[str]) -> int:
+    """Body of one rank (under torchrun or :func:`flagos_shm._launch.launch`)."""
+    import torch
+    import torch.distributed as dist
+
+    _launch.worker_setup()
+    started = time.monotonic()
+    plan = plan_from_args(args)
+    store, rank, world_size, local_world_size = _launch.rendezvous(args.timeout)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    torch.set_num_threads(_launch.default_threads(local_world_size))
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    if args.bind:
+        _launch.bind_to_cpu(local_rank)
+    plan.world_size = world_size  # (importing this module imported flagos_shm: backend registered)
+    if args.nodes > 1:  # read when the flagos_shm group is created (backend/rendezvous.py)
+        os.environ["FLAGOS_SHM_NODE_ID"] = f"bench-node-{rank * args.nodes // world_size}"
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+
+    timeout = timedelta(seconds=args.timeout)
+    notes: List[str] = []
+    results: List[dict] = []
+    skipped: List[dict] = []
+    progress = Progress(0, enabled=False)
+    try:
+        device = setup_device(plan.device, local_rank)
+        dist.init_process_group("gloo", store=dist.PrefixStore("flagos_shm.bench", store),
+                                rank=rank, world_size=world_size, timeout=timeout)
+        ctrl = dist.group.WORLD
+        # Every rank must run the same plan, or the fixed iteration counts disagree.
+        plans: List[Optional[dict]] = [None] * world_size
+        dist.all_gather_object(plans, asdict(plan), group=ctrl)
+        if any(p != plans[0] for p in plans):
+            raise RuntimeError(f"ranks disagree on the benchmark plan: {plans}")
+        groups = {b: dist.new_group(ranks=list(range(world_size)), backend=b, timeout=timeout)
+                  for b in plan.torch_backends}
+        cpu = torch.device("cpu")
+        devices = {b: (device if b == "flagos_shm" else cpu) for b in groups}
+        if device.type != "cpu" and "gloo" in groups:
+            notes.append(f"--device {plan.device}: gloo cannot take {device.type} tensors; gloo "
+                         f"was measured on CPU tensors, flagos_shm on {device.type} tensors")
+        if args.nodes > 1:
+            notes.append(f"--nodes {args.nodes}: {args.nodes} nodes simulated on one machine with "
+                         "FLAGOS_SHM_NODE_ID (Gloo over loopback between them): flagos_shm is hierarchical "
+                         "(shared memory in each node, Gloo among the node leaders), gloo is flat")
+        cases = plan.cases()
+        copy_sizes = sorted({size for _, _, _, size in cases})
+        if rank == 0:
+            total = sum(Progress.weight(size, *iterations(size, plan.iters, plan.warmup)) * len(groups)
+                        for _, _, _, size in cases)
+            total += sum(Progress.weight(s, *iterations(s, plan.iters, plan.warmup)) / 4 for s in copy_sizes)
+            progress = Progress(total, enabled=not args.no_progress)
+            pinned = "pinned one per CPU (--bind)" if plan.bind else "placed by the scheduler"
+            print(f"flagos_shm.bench: world size {world_size}, backends {', '.join(plan.backends)}, "
+                  f"device {device}, ops {', '.join(plan.ops)}, dtypes {', '.join(plan.dtypes)}, "
+                  f"{len(plan.sizes)} sizes; {cpu_model()}, {os.cpu_count()} CPUs, torch "
+                  f"{torch.__version__}; ranks {pinned}, {torch.get_num_threads()} intra-op "
+                  f"thread(s) each", flush=True)
+
+        copy_rows = measure_copy(copy_sizes, plan, rank, ctrl, progress)
+        if rank == 0:
+            progress.note("cross-process copy baseline (ranks 0 and 1)")
+        xcopy_rows = limit.measure_xcopy(copy_sizes, plan, rank, ctrl, world_size)
+        plan_info = limit.plan_info(groups["flagos_shm"]) if "flagos_shm" in groups else None
+        if rank == 0 and plan_info:
+            print(f"flagos_shm plan ({plan_info['source']}): {plan_info['text']}", flush=True)
+        overhead = None
+        if "flagos_shm" in groups:
+            overhead = measure_overhead(groups["flagos_shm"], ctrl, plan, rank, device)
+        for op, dtype, _, size in cases:
+            for b, g in groups.items():
+                record, reason = measure(op, dtype, size, b, g, ctrl, plan, rank, devices[b])
+                if record is not None:
+                    results.append(record)
+                elif rank == 0:
+                    skipped.append({"backend": b, "op": op, "dtype": dtype, "size_bytes": size,
+                                    "reason": reason})
+                if rank == 0:
+                    w, i = iterations(size, plan.iters, plan.warmup)
+                    progress.advance(Progress.weight(size, w, i), f"{op} {dtype} {human(size)} {b}")
+        dist.barrier(group=ctrl)
+    except Exception:
+        progress.close()
+        print(f"[rank {rank}] benchmark failed:\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    progress.close()
+    if rank != 0:
+        return 0
+
+    mpi_info: dict = {"status": "not requested", "reason": ""}
+    if "mpi" in plan.backends:
+        left = args.job_timeout - (time.monotonic() - started) - 5
+        mpi_results, mpi_skipped, mpi_info = run_mpi(plan, cpus, max(10.0, left), progress)
+        results += mpi_results
+        skipped += mpi_skipped
+        if mpi_info["status"] != "ran":
+            notes.append(f"MPI {mpi_info['status']}: {mpi_info['reason']}")
+        else:
+            notes.append("MPI was measured on numpy host buffers (mpi4py, "
+                         f"{mpi_info.get('library', '?')}); its Bcast (and other small "
+                         "messages sent eagerly) may return before the peers have the data, so "
+                         "per-call times can be below one synchronisation")
+    json_path, plot_path = output_paths(args)
+    doc = {
+        "schema": SCHEMA,
+        "tool": "flagos_shm.bench",
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": command_line(argv),
+        "machine": machine_info() | {"cpus_allowed": len(cpus) if cpus else None},
+        "config": {"world_size": world_size, "simulated_nodes": args.nodes, "ops": plan.ops,
+                   "sizes_requested": plan.sizes,
+                   "dtypes": plan.dtypes, "backends": plan.backends, "device": str(plan.device),
+                   "bind": plan.bind, "iters": plan.iters, "warmup": plan.warmup,
+                   "intra_op_threads": torch.get_num_threads(),
+                   "iteration_rule": f"iters = clamp({ITER_BUDGET_BYTES} / S, {MIN_ITERS}, "
+                                     f"{MAX_ITERS}) unless --iters; warmup = iters // 10 (>= 1) "
+                                     "unless --warmup"},
+        "definitions": {"time": TIME_DEFINITION, "bandwidth": BANDWIDTH_DEFINITION,
+                        "ratio": f"other backend's median time / {REFERENCE}'s"},
+        "results": results,
+        "ratios": ratios(results),
+        "skipped": skipped,
+        "copy_baseline": copy_rows,
+        "xcopy_baseline": xcopy_rows,
+        "xcopy_definition": ("rank 0 writes S bytes into shared memory, rank 1 copies them into its own buffer "
+                             "(1 thread, Tensor.copy_); median"),
+        "multiples": limit.multiples(results, copy_rows, xcopy_rows),
+        "plan": plan_info,
+        "overhead": overhead,
+        "mpi": mpi_info,
+        "notes": notes,
+        "elapsed_s": time.monotonic() - started,
+    }
+    report(doc, json_path, plot_path)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    plan_from_args(args)  # validate before starting ranks
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _launch.launched_as_rank():
+        try:
+            return worker(args, argv)
+        finally:
+            _launch.worker_teardown()
+    return _launch.launch("flagos_shm.bench", argv, args.nproc, timeout_s=args.job_timeout)
+
