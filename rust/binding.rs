@@ -107,6 +107,14 @@ fn create_segment(py: Python<'_>, dir: &str, world_size: usize, slot_bytes: usiz
         .map_err(|e| to_py(e, None))
 }
 
+/// The slot size (bytes) a new segment of `world_size` ranks in `dir` gets when none is
+/// asked for: `DEFAULT_SLOT_BYTES` where the file system is large enough for it (the
+/// segment at most 1/32 of its total size), else `SMALL_SLOT_BYTES` (`rust/segment.rs`).
+#[pyfunction]
+fn default_slot_bytes(dir: &str, world_size: usize) -> usize {
+    segment::default_slot_bytes(Path::new(dir), world_size)
+}
+
 /// Whether the process `pid` has exited (gone, or a zombie); `False` for 0 and for
 /// values that are not process ids. The liveness test the core applies to peers.
 #[pyfunction]
@@ -717,11 +725,13 @@ impl PyCommunicator {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(create_segment, m)?)?;
+    m.add_function(wrap_pyfunction!(default_slot_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(segment_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(process_exited, m)?)?;
     m.add_class::<PyCommunicator>()?;
     m.add_class::<p2p::PyP2PChannel>()?;
     m.add("DEFAULT_SLOT_BYTES", DEFAULT_SLOT_BYTES)?;
+    m.add("SMALL_SLOT_BYTES", segment::SMALL_SLOT_BYTES)?;
     m.add("ONE_SHOT_MAX_BYTES", ONE_SHOT_MAX_BYTES)?;
     m.add("CMA_MIN_BYTES", crate::algorithms::CMA_MIN_BYTES)?;
     m.add("SEGMENT_PREFIX", segment::NAME_PREFIX)?;

@@ -24,6 +24,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 # Groups use the core's fallback plan instead of measuring one (test_plan.py measures):
 # fast, and the same algorithms on every machine. The rank processes inherit it.
 os.environ.setdefault("FLAGOS_SHM_PLAN", "fallback")
+# And 256 KiB chunk slots (_core.SMALL_SLOT_BYTES) instead of the default chosen per file
+# system (1 MiB in a large /dev/shm): the suite's "large" sizes are multiples of the slot,
+# so this keeps them small; test_collectives.py's test_collective_default_slots runs with
+# the default.
+os.environ.setdefault("FLAGOS_SHM_SLOT_BYTES", "262144")
 
 from harness import World  # noqa: E402
 

@@ -29,6 +29,7 @@ import zlib
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 FLOAT_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 INT_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
@@ -47,16 +48,17 @@ DEFAULT_ONE_SHOT_MAX_BYTES = 256 * 1024
 
 
 def slot_bytes() -> int:
-    """The chunk-slot size of this rank's flagos_shm groups (env, else the core default)."""
+    """The chunk-slot size of this rank's flagos_shm groups: ``FLAGOS_SHM_SLOT_BYTES``, else
+    the core's default for the segment directory and the default group's size."""
     raw = os.environ.get("FLAGOS_SHM_SLOT_BYTES", "").strip()
     if raw:
         return int(raw)
     try:
         from flagos_shm import _core
-
-        return int(_core.DEFAULT_SLOT_BYTES)
     except ImportError:
         return DEFAULT_SLOT_BYTES
+    n = dist.get_world_size() if dist.is_initialized() else 1
+    return int(_core.default_slot_bytes(os.environ.get("FLAGOS_SHM_DIR") or "/dev/shm", n))
 
 
 def one_shot_max_bytes() -> int:

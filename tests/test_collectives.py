@@ -8,7 +8,8 @@ the result with ``reference.reference_reduce`` or the plain data movement, retur
 ranks' reports and fails with every failing case listed.
 
 Sizes are 0, 1, 3, 7 elements and a large one (``reference.large_numel``): 2.5 chunk
-slots, about 640 KiB with the default 256 KiB slot, which goes through the slots in 3
+slots, about 640 KiB with the suite's 256 KiB slot (conftest.py pins it;
+``test_collective_default_slots`` runs four collectives with the core's default), which goes through the slots in 3
 chunks and, at 2-4 ranks, takes the two-step allreduce (above ``_core.ONE_SHOT_MAX_BYTES``).
 The large size is above ``_core.CMA_MIN_BYTES``, so allreduce, broadcast, allgather and
 reduce-scatter take the single-copy path (``process_vm_readv``) where the machine allows it.
@@ -899,6 +900,32 @@ def test_collective_small_slots(worlds, backend, collective, world_size):
         pytest.skip("slot size is a flagos_shm setting")
     assert_clean(worlds(world_size, FLAGOS_SHM_SLOT_BYTES=4096, FLAGOS_SHM_CMA="0").run(COLLECTIVES[collective]),
                  f"{collective} at world size {world_size} with 4 KiB slots")
+
+
+DEFAULT_SLOT_COLLECTIVES = ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast"]
+
+
+def _slot_bytes():
+    import flagos_shm
+    from flagos_shm import _core
+
+    comm = flagos_shm.backend.shm_part(dist.distributed_c10d._get_default_group())._comm
+    return comm.slot_bytes, int(_core.default_slot_bytes(os.environ.get("FLAGOS_SHM_DIR") or "/dev/shm",
+                                                         dist.get_world_size()))
+
+
+@pytest.mark.parametrize("collective", DEFAULT_SLOT_COLLECTIVES)
+def test_collective_default_slots(worlds, backend, collective):
+    """The same checks with ``FLAGOS_SHM_SLOT_BYTES`` unset (the rest of the suite pins
+    256 KiB slots, see conftest.py): the group gets the slot size the core picks for its
+    directory (``_core.default_slot_bytes``: 1 MiB in a large /dev/shm), and the large size,
+    2.5 of those slots, streams through them in 3 chunks."""
+    if backend == "gloo":
+        pytest.skip("slot size is a flagos_shm setting")
+    world = worlds(2, FLAGOS_SHM_SLOT_BYTES="")
+    for got, want in world.run(_slot_bytes):
+        assert got == want, f"the group's slot is {got} bytes, the core's default for its directory {want}"
+    assert_clean(world.run(COLLECTIVES[collective]), f"{collective} at world size 2 with the default slots")
 
 
 SINGLE_COPY_COLLECTIVES = ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"]

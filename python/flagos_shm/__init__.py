@@ -10,8 +10,9 @@ Importing the package registers the ``"flagos_shm"`` backend with ``torch.distri
 
 Every process group created with this backend (the default group or ``dist.new_group(...,
 backend="flagos_shm")``) gets its own shared-memory segment, created in ``FLAGOS_SHM_DIR``
-(default ``/dev/shm``) with ``FLAGOS_SHM_SLOT_BYTES`` bytes per chunk slot (default
-``_core.DEFAULT_SLOT_BYTES``) and unlinked once all ranks have attached.
+(default ``/dev/shm``) with ``FLAGOS_SHM_SLOT_BYTES`` bytes per chunk slot (default 1 MiB,
+``_core.DEFAULT_SLOT_BYTES``, or 256 KiB in a small ``/dev/shm``:
+``_core.default_slot_bytes``) and unlinked once all ranks have attached.
 """
 
 from __future__ import annotations

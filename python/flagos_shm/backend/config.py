@@ -6,7 +6,8 @@ still reads ``FLAGOS_SHM_CMA`` and ``FLAGOS_SHM_CMA_MIN_BYTES`` itself (see the 
 
 Variables:
     FLAGOS_SHM_DIR: directory of the shared-memory segments (default ``/dev/shm``).
-    FLAGOS_SHM_SLOT_BYTES: bytes per chunk slot (default ``_core.DEFAULT_SLOT_BYTES``).
+    FLAGOS_SHM_SLOT_BYTES: bytes per chunk slot (default 1 MiB, or 256 KiB in a small
+        ``/dev/shm``: see :func:`segment_config`).
     FLAGOS_SHM_ASYNC: ``0`` runs ``async_op=True`` collectives inline too.
     FLAGOS_SHM_ROUTE: ``auto`` (default), ``backend`` or ``process_group``: which c10d
         integration ``import flagos_shm`` registers (:mod:`flagos_shm.backend`).
@@ -117,13 +118,19 @@ def route() -> str:
     return value
 
 
-def segment_config() -> tuple[str, int]:
+def segment_config(world_size: int = 1) -> tuple[str, int]:
     """Read the segment directory and slot size from the environment.
 
     ``FLAGOS_SHM_DIR`` (default ``/dev/shm``): an existing directory, ideally a tmpfs.
-    ``FLAGOS_SHM_SLOT_BYTES`` (default ``_core.DEFAULT_SLOT_BYTES``): the per-rank chunk-slot
-    size in bytes, a positive integer within the core's bounds (a multiple of 4096 up to
-    1 GiB in this version; each rank owns 2 slots of the segment).
+    ``FLAGOS_SHM_SLOT_BYTES``: the per-rank chunk-slot size in bytes, a positive integer
+    within the core's bounds (a multiple of 4096 up to 1 GiB in this version; each rank owns
+    2 slots of the segment). Unset: ``_core.default_slot_bytes(directory, world_size)``,
+    i.e. ``_core.DEFAULT_SLOT_BYTES`` (1 MiB) where the directory's file system is large
+    enough (the group's segment at most 1/32 of its size), else ``_core.SMALL_SLOT_BYTES``
+    (256 KiB; e.g. a container's 64 MiB ``/dev/shm``).
+
+    Args:
+        world_size: ranks of the segment to create (the default slot size depends on it).
 
     Returns:
         (directory, slot size in bytes).
@@ -136,7 +143,7 @@ def segment_config() -> tuple[str, int]:
         raise ValueError(f"{ENV_DIR}={directory!r}: expected an existing directory (default {DEFAULT_DIR})")
     raw = os.environ.get(ENV_SLOT_BYTES)
     if raw is None or raw.strip() == "":
-        return directory, int(_core.DEFAULT_SLOT_BYTES)
+        return directory, int(_core.default_slot_bytes(directory, world_size))
     try:
         slot_bytes = int(raw.strip())
     except ValueError:

@@ -312,7 +312,7 @@ def _find_nodes(store: dist.Store, rank: int, world_size: int, base: str, deadli
     early, early_error = None, None
     if rank == 0:
         try:
-            directory, slot_bytes = segment_config()
+            directory, slot_bytes = segment_config(world_size)
         except Exception as exc:
             store.set(f"{base}/segment", f"{_STORE_ERROR}{type(exc).__name__}: {exc}")
             raise
@@ -348,7 +348,7 @@ def _find_nodes(store: dist.Store, rank: int, world_size: int, base: str, deadli
             _remove(early)
             early = None
             try:
-                directory, slot_bytes = segment_config()
+                directory, slot_bytes = segment_config(len(mine))
                 path = _core.create_segment(directory, len(mine), slot_bytes)
             except Exception as exc:
                 store.set(seg_key, f"{_STORE_ERROR}{type(exc).__name__}: {exc}")
