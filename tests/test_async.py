@@ -321,3 +321,26 @@ def test_ddp_overlaps_allreduce_with_backward_on_flagos(worlds, emulator_built):
         assert res["buckets"] >= 3, res
         assert res["grads_equal"], res
         assert res["overlapped"] >= 1, res
+
+
+def test_latch_wakes_every_waiter_once_set_and_times_out_before():
+    """ShmWork's completion latch (work._Latch, in place of threading.Event): a wait with a
+    timeout returns False before ``set``; ``set`` from another thread releases every waiter
+    (here 3 threads, each waiting without a timeout); later waits return at once."""
+    import threading
+
+    from flagos_shm.work import _Latch
+
+    latch = _Latch()
+    assert not latch.is_set() and latch.wait(0.01) is False and latch.wait(0) is False
+    woke = []
+    waiters = [threading.Thread(target=lambda: woke.append(latch.wait())) for _ in range(3)]
+    for t in waiters:
+        t.start()
+    setter = threading.Timer(0.05, latch.set)
+    setter.start()
+    for t in waiters:
+        t.join(10)
+    setter.join(10)
+    assert woke == [True, True, True] and latch.is_set()
+    assert latch.wait() is True and latch.wait(0) is True

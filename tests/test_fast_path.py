@@ -33,6 +33,16 @@ def fast_and_full_paths():
             out["band"] = None
         except TypeError as exc:
             out["band"] = str(exc)
+        # async_op=True: the common case is queued without staging, the rest as before
+        staged.clear()
+        a = torch.full((7,), float(rank + 1))
+        work = dist.all_reduce(a, async_op=True)
+        fut = work.get_future()
+        work.wait()
+        out["async"] = (a.tolist() == [n * (n + 1) / 2] * 7, fut.wait()[0].tolist() == a.tolist(), len(staged))
+        col = torch.arange(12, dtype=torch.float64).reshape(4, 3)[:, 1] * (rank + 1)
+        dist.all_reduce(col, async_op=True).wait()
+        out["async_strided"] = (col.tolist() == [float(3 * i + 1) * n * (n + 1) / 2 for i in range(4)], len(staged))
         i = torch.full((3,), rank + 1, dtype=torch.int32)
         dist.all_reduce(i, op=dist.ReduceOp.PRODUCT)
         out["int"] = i.tolist() == [2, 2, 2]
@@ -50,3 +60,5 @@ def test_common_case_skips_staging_and_other_cases_keep_their_checks(worlds, bac
         assert r["strided"][0] and r["strided"][1] >= 1, r
         assert r["band"] and "BAND" in r["band"], r
         assert r["int"]
+        assert r["async"] == (True, True, 0), r
+        assert r["async_strided"][0] and r["async_strided"][1] >= 1, r

@@ -29,6 +29,39 @@ class _Completed:
 
 
 _COMPLETED = _Completed()
+
+
+class _Latch:
+    """A one-shot event: ``set`` once, ``wait`` any number of times, from any thread.
+
+    What ``threading.Event`` offers a work, at a fraction of its cost: an Event builds a
+    Condition and two locks (4.1 us per work on the AMD EPYC VM, more than the rest of an
+    asynchronous 4-byte allreduce's Python), a latch one lock, taken at creation and
+    released by :meth:`set`. A waiter takes it (blocking, with a timeout, interruptible by
+    signals as ``Lock.acquire`` is) and hands it straight back to the next waiter.
+    ``set`` must be called at most once (``ShmWork._complete`` guards it)."""
+
+    __slots__ = ("_lock", "_set")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self._set = False
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        self._lock.release()
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        if self._set:
+            return True
+        if self._lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0)):
+            self._lock.release()
+            return True
+        return self._set
 _NO_LOCK = contextlib.nullcontext()
 
 
@@ -70,7 +103,7 @@ class ShmWork(dist.Work):
             self._error = error
         if pending:
             self._abort, self._help = abort, help
-            self._done, self._lock = threading.Event(), threading.Lock()
+            self._done, self._lock = _Latch(), threading.Lock()
 
     def _complete(self, error: Optional[BaseException] = None) -> None:
         """Mark the work finished (with ``error`` if it failed) and complete its future."""

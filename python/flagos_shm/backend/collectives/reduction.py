@@ -42,9 +42,10 @@ class Reduction(CollectiveBase):
         """The common case of :meth:`allreduce`, with the same checks spelled out for it:
         a list of one contiguous, non-negated CPU tensor of a real core dtype (exact
         ``torch.Tensor``), exact ``AllreduceOptions`` with an op already accepted for that
-        dtype (not PREMUL_SUM), no per-call timeout, a synchronous call (or async off),
-        nothing pending or coalescing, an open group. Runs the core call inline; returns
-        what :meth:`allreduce` would, or :data:`SLOW` (nothing done) for any other call."""
+        dtype (not PREMUL_SUM), no per-call timeout, nothing pending or coalescing, an open
+        group. Runs the core call inline (synchronous calls, or async off) or queues it on
+        the progress thread (:meth:`_allreduce_queued`); returns what :meth:`allreduce`
+        would, or :data:`SLOW` (nothing done) for any other call."""
         if (type(tensors) is not list or len(tensors) != 1 or type(opts) is not _ALLREDUCE_OPTIONS
                 or self._pending or self._closed or self._coalesced is not None):
             return SLOW
@@ -53,12 +54,14 @@ class Reduction(CollectiveBase):
             return SLOW
         dtype = _CORE_DTYPES.get(t.dtype)
         if (dtype is None or t.layout != torch.strided or not t.is_contiguous() or t.is_neg()
-                or (opts.asyncOp is True and self._async) or opts.timeout != _UNSET_TIMEOUT):
+                or opts.timeout != _UNSET_TIMEOUT):
             return SLOW
         op, _ = options.reduce_op(opts.reduceOp)
         if op == options.PREMUL_SUM or (op, t.dtype) not in options._VALID_OP_DTYPES:
             return SLOW
         numel = t.numel()
+        if opts.asyncOp is True and self._async:
+            return self._allreduce_queued(t, numel, dtype, op)
         error = None
         try:
             with self._lock:
@@ -72,6 +75,27 @@ class Reduction(CollectiveBase):
                 raise error
             return None
         return ShmWork([t], error)
+
+    def _allreduce_queued(self, t: torch.Tensor, numel: int, dtype: str, op: int) -> ShmWork:
+        """The asynchronous common case of :meth:`_allreduce_fast`: what
+        :meth:`CollectiveBase._run_async` does for it, without what a CPU tensor in place
+        does not need (staging, write-back, the ordering of later calls after it). The work
+        and the callback hold ``t`` until the core has finished with its memory."""
+        comm = self._comm
+        ticket = 0
+        work = ShmWork([t], pending=True, abort=self.abort, help=lambda: comm.wait_ticket(ticket))
+
+        def done(error) -> None:
+            work._complete(None if error is None else self._error("allreduce", error))
+
+        try:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the process group has been shut down")
+                ticket = comm.allreduce(t.data_ptr(), numel * t.element_size(), numel, dtype, op, 1.0, None, done)
+        except Exception as exc:  # not queued: the callback never runs
+            work._complete(self._error("allreduce", exc))
+        return work
 
     def allreduce_coalesced(self, tensors, opts=None) -> ShmWork:
         """Reduce each tensor of ``tensors`` (one dtype, any sizes) in place, as one core
