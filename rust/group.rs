@@ -15,6 +15,9 @@ use std::path::Path;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+/// Most places `Communicator::rotation` cuts a slot into.
+pub const ROTATIONS: usize = 16;
+
 /// Steps of the group's sequence that `Communicator::attach` takes in a group of two or
 /// more ranks (the single-copy probe); the first collective's first step is
 /// `ATTACH_STEPS + 1`.
@@ -296,6 +299,24 @@ impl Communicator {
 
     pub(crate) fn slot(&self, r: usize, p: usize) -> *mut u8 {
         self.seg.slot(r, p)
+    }
+
+    /// Where in every slot this call puts a chunk of `bytes` that the slot holds several
+    /// times over: the slot is cut into `k` = slot / `bytes` (rounded up to 4 KiB, at most
+    /// [`ROTATIONS`]) places and call `seq` takes place `seq % k`, the same on every rank.
+    /// Successive small collectives thus write different lines instead of rewriting the
+    /// ones the peers have just read (on the AMD EPYC VM that rewrite, which must take
+    /// the lines back from the peers' caches, was most of a 64-256 KiB one-shot
+    /// allreduce: see `algorithms`). Returns the offset in bytes; `offset + bytes <=
+    /// slot_bytes` always (0 when the chunk fills more than half the slot).
+    pub(crate) fn rotation(&self, bytes: usize) -> usize {
+        let span = bytes.div_ceil(segment::PAGE).max(1) * segment::PAGE;
+        let k = (self.seg.slot_bytes() / span).min(ROTATIONS);
+        if k <= 1 {
+            0
+        } else {
+            (self.seq as usize % k) * span
+        }
     }
 
     /// Starts a collective: refuses on a broken group, assigns its sequence number.

@@ -31,11 +31,15 @@ impl Communicator {
         for ch in chunks(count, per) {
             let (off, len) = (ch.off, ch.len);
             let p = self.next_parity();
-            let mine = self.slot(self.rank, p);
+            // One-shot chunks that a slot holds several times over take the call's place
+            // in it (`rotation`); two-step chunks use whole slots.
+            let at = if two_step { 0 } else { self.rotation(len * es) };
+            // SAFETY: at + len * es <= slot_bytes (`rotation`'s contract): inside our slot.
+            let mine = unsafe { self.slot(self.rank, p).add(at) };
             let (a, b) = slice_bounds(len, self.n, self.rank);
             if !two_step {
                 // SAFETY: off + len <= count, so the source range is inside the caller's
-                // buffer; len * es <= slot_bytes, the length of our slot.
+                // buffer; at + len * es <= slot_bytes, so the destination is in our slot.
                 unsafe { copy_nonoverlapping(buf.add(off * es), mine, len * es) };
             } else {
                 // Peers read every piece of our chunk except our own slice [a, b), which
@@ -48,7 +52,8 @@ impl Communicator {
             }
             self.sync(ch.first().then_some(&d))?;
             for (r, s) in srcs.iter_mut().enumerate() {
-                *s = self.slot(r, p);
+                // SAFETY: as for `mine`: every rank's slot has the same length.
+                *s = unsafe { self.slot(r, p).add(at) };
             }
             if !two_step {
                 // SAFETY: every slot holds `len` elements of step p (published by the

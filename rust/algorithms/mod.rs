@@ -24,7 +24,10 @@
 //! machine by the c10d backend; [`Plan::FALLBACK`] until one is set).
 //!
 //! - allreduce, S <= the plan's `one_shot_max` (or n = 1): one step per chunk: every rank copies its
-//!   chunk into its slot, then reduces all n slots in rank order into its output.
+//!   chunk into its slot, then reduces all n slots in rank order into its output. A chunk
+//!   of at most half a slot goes to the call's place in the slot
+//!   (`Communicator::rotation`: up to 16 places, by sequence number), so back-to-back
+//!   small allreduces do not rewrite the lines the peers have just read.
 //! - allreduce, larger: the reduce-scatter + allgather decomposition of ring allreduce
 //!   (Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
 //!   workstations", JPDC 2009), done directly in shared memory, where every rank can read
