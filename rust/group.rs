@@ -309,6 +309,14 @@ impl Communicator {
     /// the lines back from the peers' caches, was most of a 64-256 KiB one-shot
     /// allreduce: see `algorithms`). Returns the offset in bytes; `offset + bytes <=
     /// slot_bytes` always (0 when the chunk fills more than half the slot).
+    /// Rank `r`'s slot of parity `p` at this call's place for a chunk of `bytes`
+    /// ([`Self::rotation`]): `bytes` bytes from the returned pointer lie inside the slot
+    /// when `bytes <= slot_bytes`.
+    pub(crate) fn slot_at(&self, r: usize, p: usize, bytes: usize) -> *mut u8 {
+        // `wrapping_add` keeps this safe to call; the offset is inside the slot anyway.
+        self.slot(r, p).wrapping_add(self.rotation(bytes))
+    }
+
     pub(crate) fn rotation(&self, bytes: usize) -> usize {
         let span = bytes.div_ceil(segment::PAGE).max(1) * segment::PAGE;
         let k = (self.seg.slot_bytes() / span).min(ROTATIONS);

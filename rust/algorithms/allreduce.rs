@@ -33,13 +33,12 @@ impl Communicator {
             let p = self.next_parity();
             // One-shot chunks that a slot holds several times over take the call's place
             // in it (`rotation`); two-step chunks use whole slots.
-            let at = if two_step { 0 } else { self.rotation(len * es) };
-            // SAFETY: at + len * es <= slot_bytes (`rotation`'s contract): inside our slot.
-            let mine = unsafe { self.slot(self.rank, p).add(at) };
+            let at = |c: &Self, r| if two_step { c.slot(r, p) } else { c.slot_at(r, p, len * es) };
+            let mine = at(self, self.rank);
             let (a, b) = slice_bounds(len, self.n, self.rank);
             if !two_step {
                 // SAFETY: off + len <= count, so the source range is inside the caller's
-                // buffer; at + len * es <= slot_bytes, so the destination is in our slot.
+                // buffer; len * es <= slot_bytes, so the destination is in our slot.
                 unsafe { copy_nonoverlapping(buf.add(off * es), mine, len * es) };
             } else {
                 // Peers read every piece of our chunk except our own slice [a, b), which
@@ -52,8 +51,7 @@ impl Communicator {
             }
             self.sync(ch.first().then_some(&d))?;
             for (r, s) in srcs.iter_mut().enumerate() {
-                // SAFETY: as for `mine`: every rank's slot has the same length.
-                *s = unsafe { self.slot(r, p).add(at) };
+                *s = at(self, r);
             }
             if !two_step {
                 // SAFETY: every slot holds `len` elements of step p (published by the

@@ -34,8 +34,10 @@ impl Communicator {
         d.route(Transfer::Slots, per * es);
         for ch in chunks(count, per) {
             let p = self.next_parity();
-            // SAFETY: range inside the caller's input; len * es <= slot_bytes.
-            unsafe { copy_nonoverlapping(input.add(ch.off * es), self.slot(self.rank, p), ch.len * es) };
+            let at = |c: &Self, r| c.slot_at(r, p, ch.len * es); // the call's place (`rotation`)
+                                                                 // SAFETY: range inside the caller's input; len * es <= slot_bytes, so the
+                                                                 // destination lies in our slot.
+            unsafe { copy_nonoverlapping(input.add(ch.off * es), at(self, self.rank), ch.len * es) };
             self.sync(ch.first().then_some(&d))?;
             if root.is_none_or(|q| q == self.rank) {
                 for r in 0..self.n {
@@ -43,7 +45,7 @@ impl Communicator {
                     // destination range lies in `output` (n * count elements). It may
                     // overlap `input` only for r == rank, where it receives the very
                     // bytes already copied from there (hence `copy`).
-                    unsafe { std::ptr::copy(self.slot(r, p), output.add((r * count + ch.off) * es), ch.len * es) };
+                    unsafe { std::ptr::copy(at(self, r), output.add((r * count + ch.off) * es), ch.len * es) };
                 }
             }
         }

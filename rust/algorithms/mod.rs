@@ -37,7 +37,8 @@
 //!   slot; step B, every rank copies all n reduced slices out. Each element
 //!   is reduced by exactly one rank in rank order, so all ranks get the same bits.
 //! - allgather / gather: every rank copies its chunk in; all ranks (gather: the root) copy
-//!   all n chunks out. broadcast: the root copies in, the others copy out.
+//!   all n chunks out. broadcast: the root copies in, the others copy out. Small chunks
+//!   take the call's place in the slot, as in the one-shot allreduce.
 //! - reduce: as the one-shot allreduce, only the root reduces.
 //! - reduce-scatter / alltoall: each rank copies the chunk of each of its n pieces in;
 //!   rank r reduces (alltoall: copies) piece r from every slot. scatter: the root copies

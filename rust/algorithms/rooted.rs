@@ -23,14 +23,15 @@ impl Communicator {
         for ch in chunks(count, per) {
             let p = self.next_parity();
             if self.rank == root {
-                // SAFETY: range inside the caller's buffer; len * es <= slot_bytes.
-                unsafe { copy_nonoverlapping(buf.add(ch.off * es), self.slot(root, p), ch.len * es) };
+                // SAFETY: range inside the caller's buffer; len * es <= slot_bytes, so the
+                // destination lies in our slot at the call's place.
+                unsafe { copy_nonoverlapping(buf.add(ch.off * es), self.slot_at(root, p, ch.len * es), ch.len * es) };
             }
             self.sync(ch.first().then_some(&d))?;
             if self.rank != root {
                 // SAFETY: the root's slot of step p was published by the sync above; the
                 // destination range is inside the caller's buffer.
-                unsafe { copy_nonoverlapping(self.slot(root, p), buf.add(ch.off * es), ch.len * es) };
+                unsafe { copy_nonoverlapping(self.slot_at(root, p, ch.len * es), buf.add(ch.off * es), ch.len * es) };
             }
         }
         Ok(())
@@ -59,11 +60,12 @@ impl Communicator {
         d.route(Transfer::Slots, per * es);
         for ch in chunks(count, per) {
             let p = self.next_parity();
-            // SAFETY: range inside the caller's buffer; len * es <= slot_bytes.
-            unsafe { copy_nonoverlapping(buf.add(ch.off * es), self.slot(self.rank, p), ch.len * es) };
+            // SAFETY: range inside the caller's buffer; len * es <= slot_bytes, so the
+            // destination lies in our slot at the call's place.
+            unsafe { copy_nonoverlapping(buf.add(ch.off * es), self.slot_at(self.rank, p, ch.len * es), ch.len * es) };
             self.sync(ch.first().then_some(&d))?;
             if self.rank == root {
-                let srcs: Vec<*const u8> = (0..self.n).map(|r| self.slot(r, p) as *const u8).collect();
+                let srcs: Vec<*const u8> = (0..self.n).map(|r| self.slot_at(r, p, ch.len * es) as *const u8).collect();
                 // SAFETY: every slot of step p holds `len` elements (published by the sync
                 // above); the output range is inside the root's buffer.
                 unsafe { reduce_raw(&red, buf.add(ch.off * es), &srcs, ch.len) };

@@ -254,7 +254,7 @@ fn ops_undefined_on_a_tensor_of_the_batch_are_refused_on_every_rank() {
 }
 
 #[test]
-fn back_to_back_small_allreduces_of_changing_sizes_stay_exact() {
+fn back_to_back_small_collectives_of_changing_sizes_stay_exact() {
     // One-shot chunks smaller than half a slot take a different place in the slots on
     // successive calls (`Communicator::rotation`); sizes that change from call to call make
     // consecutive calls' places overlap in every way. Each call's sum is checked exactly.
@@ -269,6 +269,22 @@ fn back_to_back_small_allreduces_of_changing_sizes_stay_exact() {
                 for (i, x) in v.iter().enumerate() {
                     let want: i64 = (0..n).map(|r| (r * 1_000_003 + call * 7919 + i) as i64).sum();
                     assert_eq!(*x, want, "call {call}, rank {me}, element {i} of {len}");
+                }
+                // broadcast, reduce and allgather place their chunks the same way
+                let root = call % n;
+                let mut b: Vec<i64> = (0..len).map(|i| if me == root { (call * 31 + i) as i64 } else { -1 }).collect();
+                c.broadcast(Buf::from_elems_mut(&mut b), len, DType::I64, root).unwrap();
+                assert!(b.iter().enumerate().all(|(i, x)| *x == (call * 31 + i) as i64), "broadcast, call {call}");
+                let mut r: Vec<i64> = (0..len).map(|i| (me + call + i) as i64).collect();
+                c.reduce(Buf::from_elems_mut(&mut r), len, DType::I64, ReduceOp::Max, 1.0, root).unwrap();
+                if me == root {
+                    assert!(r.iter().enumerate().all(|(i, x)| *x == (n - 1 + call + i) as i64), "reduce, call {call}");
+                }
+                let mine: Vec<i64> = (0..len).map(|i| (me * 100_000 + call + i) as i64).collect();
+                let mut all = vec![0i64; n * len];
+                c.allgather(Buf::from_elems(&mine), Buf::from_elems_mut(&mut all), len, DType::I64).unwrap();
+                for q in 0..n {
+                    assert!((0..len).all(|i| all[q * len + i] == (q * 100_000 + call + i) as i64), "allgather, call {call}");
                 }
             }
         });
