@@ -19,6 +19,10 @@
 use crate::error::{Error, Result};
 use half::{bf16, f16};
 
+/// The bfloat16 / float16 kernels for x86-64 (AVX2, F16C), used where the CPU has them.
+#[cfg(target_arch = "x86_64")]
+mod half_x86;
+
 /// Element type of a buffer. Discriminants are the wire codes used in descriptors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
@@ -168,8 +172,9 @@ impl Reduction {
 const BLOCK: usize = 256;
 
 /// How an element type is loaded into and stored from its accumulation type, one block
-/// at a time (so conversions can use the slice routines of `half`, which pick F16C at
-/// run time where the CPU has it, and otherwise plain loops the compiler vectorises).
+/// at a time (so conversions can use the slice routines of `half` and otherwise plain
+/// loops the compiler vectorises). On x86-64 with AVX2 (and F16C for float16) the half
+/// types take the explicit kernels of `half_x86` instead; these are the fallback.
 trait Elem: Copy {
     type Acc: Copy + Default;
     fn load_block(src: &[Self], acc: &mut [Self::Acc]);
@@ -450,6 +455,11 @@ pub unsafe fn reduce_raw(red: &Reduction, dst: *mut u8, srcs: &[*const u8], len:
     debug_assert!(!srcs.is_empty());
     if len == 0 {
         return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if half_x86::available(red.dtype) {
+        // SAFETY: `available` checked the CPU features; the pointer contract is forwarded.
+        return unsafe { half_x86::reduce(red, dst, srcs, len) };
     }
     #[cfg(target_arch = "x86_64")]
     if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {

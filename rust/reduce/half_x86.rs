@@ -1,0 +1,276 @@
+//! bfloat16 and float16 reduction kernels for x86-64: AVX2, plus F16C for float16. Chosen
+//! at run time by [`reduce_raw`](super::reduce_raw) when [`available`] says the CPU has the
+//! features; otherwise the generic kernels in `reduce.rs` run (and always on aarch64).
+//!
+//! Semantics, bit for bit the same as the generic kernels (and as converting each element
+//! with `half`'s `to_f32`, combining in float32 and converting back with `from_f32`):
+//! - Each source element is widened to float32 exactly. bfloat16: its 16 bits become the
+//!   high half of the float32. float16: `VCVTPH2PS` (exact for every value, subnormals
+//!   included; a NaN keeps its sign and payload and gets the quiet bit, as `f16::to_f32`).
+//! - Sources are combined in rank order `0, 1, ..., n-1`, one float32 operation per step,
+//!   never fused: SUM and AVG `acc + x`, PREMUL_SUM `acc + x * factor` (the first source
+//!   `x * factor`), PRODUCT `acc * x`; AVG then divides by the group size. MIN and MAX
+//!   propagate NaN: the accumulator if it is NaN, else `x` if it is NaN, else the smaller
+//!   (larger) of the two, the accumulator on ties (so `min(+0, -0)` keeps the first).
+//! - The float32 result is rounded once, to nearest with ties to even.
+//!   bfloat16: `(x + 0x7fff + lsb) >> 16`, where `lsb` is bit 16 of `x`; a NaN becomes its
+//!   high 16 bits with the quiet bit (0x0040) set. This is `half::bf16::from_f32` (half
+//!   2.x, `bfloat/convert.rs`, `f32_to_bf16`) written without branches.
+//!   float16: `VCVTPS2PH` with the rounding given in the instruction (`_MM_FROUND_TO_NEAREST_INT`,
+//!   not MXCSR); overflow gives infinity, tiny values round to subnormals or zero, and a NaN
+//!   keeps its sign and the top 10 payload bits with the quiet bit (0x0200) set. That is
+//!   what `half::f16::from_f32` returns, which uses the same instruction where the CPU has
+//!   F16C and otherwise computes the same bits in software (`f32_to_f16_fallback`).
+//!
+//! Each step reduces 32 elements (one 64-byte line of every source) held in registers,
+//! then 8; the last `len % 8` elements go through the same vector code via zero-padded
+//! copies, so the tail cannot round differently from the body.
+//!
+//! The helpers here are `#[inline(always)]` without target features of their own, like
+//! the generic kernels: they are compiled inside [`bf16_avx2`] and [`f16_avx2_f16c`], whose
+//! target features let the intrinsics inline.
+
+use super::{DType, ReduceOp, Reduction};
+use std::arch::x86_64::*;
+
+/// float32 lanes per vector.
+const LANES: usize = 8;
+/// Vectors per step of the main loop: 32 elements, 64 bytes of each half-precision source.
+const UNROLL: usize = 4;
+
+/// Whether this CPU has a kernel here for `dtype` (bfloat16: AVX2; float16: AVX2 and F16C).
+pub(super) fn available(dtype: DType) -> bool {
+    match dtype {
+        DType::BF16 => is_x86_feature_detected!("avx2"),
+        DType::F16 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c"),
+        _ => false,
+    }
+}
+
+/// Reduces `srcs` (rank order, each `len` elements of `red.dtype`) into `dst`.
+///
+/// # Safety
+/// As [`reduce_raw`](super::reduce_raw), and [`available`]`(red.dtype)` must be true.
+pub(super) unsafe fn reduce(red: &Reduction, dst: *mut u8, srcs: &[*const u8], len: usize) {
+    match red.dtype {
+        // SAFETY: `available` checked AVX2; pointer contract forwarded.
+        DType::BF16 => unsafe { bf16_avx2(red, dst.cast(), srcs, len) },
+        // SAFETY: `available` checked AVX2 and F16C; pointer contract forwarded.
+        DType::F16 => unsafe { f16_avx2_f16c(red, dst.cast(), srcs, len) },
+        _ => unreachable!("reduce called without available()"),
+    }
+}
+
+/// # Safety
+/// As [`reduce`]; the CPU must support AVX2.
+#[target_feature(enable = "avx2")]
+unsafe fn bf16_avx2(red: &Reduction, dst: *mut u16, srcs: &[*const u8], len: usize) {
+    // SAFETY: forwarded; `by_op` is inline(always), so it is compiled with AVX2.
+    unsafe { by_op::<Bf16>(red, dst, srcs, len) }
+}
+
+/// # Safety
+/// As [`reduce`]; the CPU must support AVX2 and F16C.
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn f16_avx2_f16c(red: &Reduction, dst: *mut u16, srcs: &[*const u8], len: usize) {
+    // SAFETY: forwarded; `by_op` is inline(always), so it is compiled with AVX2 and F16C.
+    unsafe { by_op::<F16>(red, dst, srcs, len) }
+}
+
+/// A half-precision format: 8 elements to and from 8 float32 lanes.
+trait Format {
+    /// Loads 8 elements from `p` and widens them to float32 exactly.
+    ///
+    /// # Safety
+    /// `p` readable for 8 `u16`; the CPU has the format's features (module docs).
+    unsafe fn load(p: *const u16) -> __m256;
+    /// Rounds 8 float32 lanes to the format (module docs) and stores them at `p`.
+    ///
+    /// # Safety
+    /// `p` writable for 8 `u16`; the CPU has the format's features.
+    unsafe fn store(p: *mut u16, v: __m256);
+}
+
+struct Bf16;
+impl Format for Bf16 {
+    #[inline(always)]
+    unsafe fn load(p: *const u16) -> __m256 {
+        // SAFETY: `p` readable for 16 bytes (unaligned load); AVX2 per the contract.
+        unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))) }
+    }
+
+    #[inline(always)]
+    unsafe fn store(p: *mut u16, v: __m256) {
+        // SAFETY: `p` writable for 16 bytes (unaligned store); AVX2 (and so SSE4.1's
+        // packus_epi32) per the contract.
+        unsafe {
+            let x = _mm256_castps_si256(v);
+            let high = _mm256_srli_epi32::<16>(x);
+            let lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+            // No overflow: only NaNs have x + 0x8000 > u32::MAX, and they take `nan`.
+            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb));
+            let nan = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+            let is_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
+            let r = _mm256_blendv_epi8(rounded, nan, is_nan);
+            // Every lane is <= 0xffff, so the unsigned saturation of packus never clips.
+            let packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r));
+            _mm_storeu_si128(p.cast(), packed);
+        }
+    }
+}
+
+struct F16;
+impl Format for F16 {
+    #[inline(always)]
+    unsafe fn load(p: *const u16) -> __m256 {
+        // SAFETY: `p` readable for 16 bytes (unaligned load); F16C per the contract.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    }
+
+    #[inline(always)]
+    unsafe fn store(p: *mut u16, v: __m256) {
+        // SAFETY: `p` writable for 16 bytes (unaligned store); F16C per the contract.
+        // The immediate selects round-to-nearest-even regardless of MXCSR.
+        unsafe { _mm_storeu_si128(p.cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)) }
+    }
+}
+
+/// Picks the per-source and final steps of `red.op` (module docs) and runs [`run`].
+///
+/// # Safety
+/// As [`reduce`]; compiled only inside a function with the features of `F`.
+#[inline(always)]
+unsafe fn by_op<F: Format>(red: &Reduction, dst: *mut u16, srcs: &[*const u8], len: usize) {
+    // SAFETY (this block and every closure's): the intrinsics need AVX, which the calling
+    // kernel enables.
+    let (n, f) = unsafe { (_mm256_set1_ps(red.world as f32), _mm256_set1_ps(red.factor as f32)) };
+    let id = |a: __m256| a;
+    // SAFETY: as above.
+    let add = |a: __m256, b: __m256| unsafe { _mm256_add_ps(a, b) };
+    // SAFETY: as above.
+    let mul = |a: __m256, b: __m256| unsafe { _mm256_mul_ps(a, b) };
+    // SAFETY: as above.
+    let avg = |a: __m256| unsafe { _mm256_div_ps(a, n) };
+    // SAFETY: as above.
+    let premul = |a: __m256| unsafe { _mm256_mul_ps(a, f) };
+    // SAFETY: as above.
+    let min = |a: __m256, b: __m256| unsafe { nan_min(a, b) };
+    // SAFETY: as above.
+    let max = |a: __m256, b: __m256| unsafe { nan_max(a, b) };
+    // SAFETY: `run`'s contract is this function's.
+    unsafe {
+        match red.op {
+            ReduceOp::Sum => run::<F>(dst, srcs, len, id, add, id),
+            ReduceOp::Avg => run::<F>(dst, srcs, len, id, add, avg),
+            ReduceOp::PremulSum => run::<F>(dst, srcs, len, premul, add, id),
+            ReduceOp::Product => run::<F>(dst, srcs, len, id, mul, id),
+            ReduceOp::Min => run::<F>(dst, srcs, len, id, min, id),
+            ReduceOp::Max => run::<F>(dst, srcs, len, id, max, id),
+            ReduceOp::Band | ReduceOp::Bor | ReduceOp::Bxor => unreachable!("checked by Reduction::new"),
+        }
+    }
+}
+
+/// NaN-propagating minimum, lane-wise, as the generic `fmin`: `a` if NaN, else `b` if NaN,
+/// else `b < a ? b : a`.
+///
+/// # Safety
+/// The CPU supports AVX.
+#[inline(always)]
+unsafe fn nan_min(a: __m256, b: __m256) -> __m256 {
+    // SAFETY: AVX per the contract. `min_ps(b, a)` is `b < a ? b : a`, which is `a` when
+    // either is NaN; the blends then put a NaN `b`, and over it a NaN `a`, in place.
+    unsafe {
+        let m = _mm256_min_ps(b, a);
+        let m = _mm256_blendv_ps(m, b, _mm256_cmp_ps::<_CMP_UNORD_Q>(b, b));
+        _mm256_blendv_ps(m, a, _mm256_cmp_ps::<_CMP_UNORD_Q>(a, a))
+    }
+}
+
+/// NaN-propagating maximum, as [`nan_min`] with `b > a ? b : a`.
+///
+/// # Safety
+/// The CPU supports AVX.
+#[inline(always)]
+unsafe fn nan_max(a: __m256, b: __m256) -> __m256 {
+    // SAFETY: as in `nan_min`; `max_ps(b, a)` is `b > a ? b : a`.
+    unsafe {
+        let m = _mm256_max_ps(b, a);
+        let m = _mm256_blendv_ps(m, b, _mm256_cmp_ps::<_CMP_UNORD_Q>(b, b));
+        _mm256_blendv_ps(m, a, _mm256_cmp_ps::<_CMP_UNORD_Q>(a, a))
+    }
+}
+
+/// Reduces `V` vectors: `fin(comb(...comb(pre(x_0), pre(x_1))..., pre(x_{n-1})))`, lane-wise,
+/// where `ld(r, k)` loads vector `k` of source `r`.
+#[inline(always)]
+fn reduce_vectors<const V: usize>(
+    n: usize,
+    ld: impl Fn(usize, usize) -> __m256,
+    pre: impl Fn(__m256) -> __m256,
+    comb: impl Fn(__m256, __m256) -> __m256,
+    fin: impl Fn(__m256) -> __m256,
+) -> [__m256; V] {
+    let mut acc: [__m256; V] = std::array::from_fn(|k| pre(ld(0, k)));
+    for r in 1..n {
+        for (k, a) in acc.iter_mut().enumerate() {
+            *a = comb(*a, pre(ld(r, k)));
+        }
+    }
+    acc.map(fin)
+}
+
+/// The element loop: 32 elements per step, then 8, then the tail through padded copies.
+///
+/// # Safety
+/// `dst` writable and every `srcs[r]` readable for `len` `u16`; `dst` may equal a source
+/// (each element is read from every source before it is written), no other overlap;
+/// `srcs` not empty; the CPU has `F`'s features and this is compiled inside a function
+/// that enables them.
+#[inline(always)]
+unsafe fn run<F: Format>(
+    dst: *mut u16,
+    srcs: &[*const u8],
+    len: usize,
+    pre: impl Fn(__m256) -> __m256 + Copy,
+    comb: impl Fn(__m256, __m256) -> __m256 + Copy,
+    fin: impl Fn(__m256) -> __m256 + Copy,
+) {
+    let n = srcs.len();
+    let src = |r: usize| srcs[r].cast::<u16>();
+    let mut i = 0;
+    while i + UNROLL * LANES <= len {
+        // SAFETY: i + 32 <= len, so every vector read lies inside each source.
+        let acc = reduce_vectors::<UNROLL>(n, |r, k| unsafe { F::load(src(r).add(i + k * LANES)) }, pre, comb, fin);
+        for (k, a) in acc.into_iter().enumerate() {
+            // SAFETY: as above, for `dst`; all sources of these elements were read.
+            unsafe { F::store(dst.add(i + k * LANES), a) };
+        }
+        i += UNROLL * LANES;
+    }
+    while i + LANES <= len {
+        // SAFETY: i + 8 <= len.
+        let [a] = reduce_vectors::<1>(n, |r, _| unsafe { F::load(src(r).add(i)) }, pre, comb, fin);
+        // SAFETY: as above, for `dst`.
+        unsafe { F::store(dst.add(i), a) };
+        i += LANES;
+    }
+    let rest = len - i;
+    if rest > 0 {
+        let ld = |r: usize, _| {
+            let mut pad = [0u16; LANES];
+            // SAFETY: `rest` < 8 elements remain in source `r` from `i`; `pad` is local.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src(r).add(i), pad.as_mut_ptr(), rest);
+                F::load(pad.as_ptr())
+            }
+        };
+        let [a] = reduce_vectors::<1>(n, ld, pre, comb, fin);
+        let mut out = [0u16; LANES];
+        // SAFETY: `out` is local and 8 long; then `rest` elements remain in `dst` from `i`.
+        unsafe {
+            F::store(out.as_mut_ptr(), a);
+            std::ptr::copy_nonoverlapping(out.as_ptr(), dst.add(i), rest);
+        }
+    }
+}
