@@ -23,7 +23,7 @@
 //!   F16C and otherwise computes the same bits in software (`f32_to_f16_fallback`).
 //!
 //! Each step reduces 32 elements (one 64-byte line of every source) held in registers,
-//! then 8; the last `len % 8` elements go through the same vector code via zero-padded
+//! then 16; the last `len % 16` elements go through the same vector code via zero-padded
 //! copies, so the tail cannot round differently from the body.
 //!
 //! The helpers here are `#[inline(always)]` without target features of their own, like
@@ -33,10 +33,14 @@
 use super::{DType, ReduceOp, Reduction};
 use std::arch::x86_64::*;
 
-/// float32 lanes per vector.
-const LANES: usize = 8;
-/// Vectors per step of the main loop: 32 elements, 64 bytes of each half-precision source.
-const UNROLL: usize = 4;
+/// Elements per unit, what a [`Format`] loads and stores at once: two float32 vectors.
+const UNIT: usize = 16;
+/// Units per step of the main loop: 32 elements, 64 bytes of each half-precision source.
+const UNROLL: usize = 2;
+
+/// One unit (16 elements) widened to float32, in an order of the format's choosing that
+/// its `store` undoes (the ops are lane-wise, so the order does not matter in between).
+type Pair = [__m256; 2];
 
 /// Whether this CPU has a kernel here for `dtype` (bfloat16: AVX2; float16: AVX2 and F16C).
 pub(super) fn available(dtype: DType) -> bool {
@@ -77,32 +81,30 @@ unsafe fn f16_avx2_f16c(red: &Reduction, dst: *mut u16, srcs: &[*const u8], len:
     unsafe { by_op::<F16>(red, dst, srcs, len) }
 }
 
-/// A half-precision format: 8 elements to and from 8 float32 lanes.
+/// A half-precision format: 16 elements to and from two float32 vectors.
 trait Format {
-    /// Loads 8 elements from `p` and widens them to float32 exactly.
+    /// Loads 16 elements from `p` and widens them to float32 exactly.
     ///
     /// # Safety
-    /// `p` readable for 8 `u16`; the CPU has the format's features (module docs).
-    unsafe fn load(p: *const u16) -> __m256;
-    /// Rounds 8 float32 lanes to the format (module docs) and stores them at `p`.
+    /// `p` readable for 16 `u16`; the CPU has the format's features (module docs).
+    unsafe fn load(p: *const u16) -> Pair;
+    /// Rounds a unit from [`load`](Format::load)'s order to the format (module docs) and
+    /// stores it at `p`.
     ///
     /// # Safety
-    /// `p` writable for 8 `u16`; the CPU has the format's features.
-    unsafe fn store(p: *mut u16, v: __m256);
+    /// `p` writable for 16 `u16`; the CPU has the format's features.
+    unsafe fn store(p: *mut u16, v: Pair);
 }
 
 struct Bf16;
-impl Format for Bf16 {
+impl Bf16 {
+    /// Rounds 8 float32 lanes to bfloat16 bits, each in the low half of its 32-bit lane.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2.
     #[inline(always)]
-    unsafe fn load(p: *const u16) -> __m256 {
-        // SAFETY: `p` readable for 16 bytes (unaligned load); AVX2 per the contract.
-        unsafe { _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())))) }
-    }
-
-    #[inline(always)]
-    unsafe fn store(p: *mut u16, v: __m256) {
-        // SAFETY: `p` writable for 16 bytes (unaligned store); AVX2 (and so SSE4.1's
-        // packus_epi32) per the contract.
+    unsafe fn round(v: __m256) -> __m256i {
+        // SAFETY: AVX2 per the contract.
         unsafe {
             let x = _mm256_castps_si256(v);
             let high = _mm256_srli_epi32::<16>(x);
@@ -111,10 +113,32 @@ impl Format for Bf16 {
             let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb));
             let nan = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
             let is_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
-            let r = _mm256_blendv_epi8(rounded, nan, is_nan);
-            // Every lane is <= 0xffff, so the unsigned saturation of packus never clips.
-            let packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256::<1>(r));
-            _mm_storeu_si128(p.cast(), packed);
+            _mm256_blendv_epi8(rounded, nan, is_nan)
+        }
+    }
+}
+
+impl Format for Bf16 {
+    #[inline(always)]
+    unsafe fn load(p: *const u16) -> Pair {
+        // SAFETY: `p` readable for 32 bytes (unaligned load); AVX2 per the contract.
+        // Interleaving zero words below each element makes it the high half of a float32:
+        // elements 0-3 and 8-11 in the first vector, 4-7 and 12-15 in the second.
+        unsafe {
+            let v = _mm256_loadu_si256(p.cast());
+            let z = _mm256_setzero_si256();
+            [_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v))]
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn store(p: *mut u16, v: Pair) {
+        // SAFETY: `p` writable for 32 bytes (unaligned store); AVX2 per the contract. Every
+        // rounded lane is <= 0xffff, so packus's unsigned saturation never clips, and its
+        // per-128-bit-lane order is the inverse of the unpacks in `load`.
+        unsafe {
+            let packed = _mm256_packus_epi32(Self::round(v[0]), Self::round(v[1]));
+            _mm256_storeu_si256(p.cast(), packed);
         }
     }
 }
@@ -122,16 +146,19 @@ impl Format for Bf16 {
 struct F16;
 impl Format for F16 {
     #[inline(always)]
-    unsafe fn load(p: *const u16) -> __m256 {
-        // SAFETY: `p` readable for 16 bytes (unaligned load); F16C per the contract.
-        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+    unsafe fn load(p: *const u16) -> Pair {
+        // SAFETY: `p` readable for 32 bytes (unaligned loads); F16C per the contract.
+        unsafe { [_mm256_cvtph_ps(_mm_loadu_si128(p.cast())), _mm256_cvtph_ps(_mm_loadu_si128(p.add(8).cast()))] }
     }
 
     #[inline(always)]
-    unsafe fn store(p: *mut u16, v: __m256) {
-        // SAFETY: `p` writable for 16 bytes (unaligned store); F16C per the contract.
+    unsafe fn store(p: *mut u16, v: Pair) {
+        // SAFETY: `p` writable for 32 bytes (unaligned stores); F16C per the contract.
         // The immediate selects round-to-nearest-even regardless of MXCSR.
-        unsafe { _mm_storeu_si128(p.cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v)) }
+        unsafe {
+            _mm_storeu_si128(p.cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v[0]));
+            _mm_storeu_si128(p.add(8).cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v[1]));
+        }
     }
 }
 
@@ -141,7 +168,7 @@ impl Format for F16 {
 /// As [`reduce`]; compiled only inside a function with the features of `F`.
 #[inline(always)]
 unsafe fn by_op<F: Format>(red: &Reduction, dst: *mut u16, srcs: &[*const u8], len: usize) {
-    // SAFETY (this block and every closure's): the intrinsics need AVX, which the calling
+    // SAFETY: the intrinsics here and in the closures below need AVX, which the calling
     // kernel enables.
     let (n, f) = unsafe { (_mm256_set1_ps(red.world as f32), _mm256_set1_ps(red.factor as f32)) };
     let id = |a: __m256| a;
@@ -201,26 +228,37 @@ unsafe fn nan_max(a: __m256, b: __m256) -> __m256 {
     }
 }
 
-/// Reduces `V` vectors: `fin(comb(...comb(pre(x_0), pre(x_1))..., pre(x_{n-1})))`, lane-wise,
-/// where `ld(r, k)` loads vector `k` of source `r`.
+/// Reduces `V` units: `fin(comb(...comb(pre(x_0), pre(x_1))..., pre(x_{n-1})))`, lane-wise,
+/// where `ld(r, k)` loads unit `k` of source `r`.
 #[inline(always)]
-fn reduce_vectors<const V: usize>(
+fn reduce_units<const V: usize>(
     n: usize,
-    ld: impl Fn(usize, usize) -> __m256,
+    ld: impl Fn(usize, usize) -> Pair,
     pre: impl Fn(__m256) -> __m256,
     comb: impl Fn(__m256, __m256) -> __m256,
     fin: impl Fn(__m256) -> __m256,
-) -> [__m256; V] {
-    let mut acc: [__m256; V] = std::array::from_fn(|k| pre(ld(0, k)));
+) -> [Pair; V] {
+    // Plain loops: `array::from_fn` and `array::map` were left as calls (not inlined into
+    // the target-feature kernel), which made the bfloat16 kernel 3x slower.
+    let first = ld(0, 0);
+    let mut acc = [[pre(first[0]), pre(first[1])]; V];
+    for (k, a) in acc.iter_mut().enumerate().skip(1) {
+        let x = ld(0, k);
+        *a = [pre(x[0]), pre(x[1])];
+    }
     for r in 1..n {
         for (k, a) in acc.iter_mut().enumerate() {
-            *a = comb(*a, pre(ld(r, k)));
+            let x = ld(r, k);
+            *a = [comb(a[0], pre(x[0])), comb(a[1], pre(x[1]))];
         }
     }
-    acc.map(fin)
+    for a in acc.iter_mut() {
+        *a = [fin(a[0]), fin(a[1])];
+    }
+    acc
 }
 
-/// The element loop: 32 elements per step, then 8, then the tail through padded copies.
+/// The element loop: 32 elements per step, then 16, then the tail through padded copies.
 ///
 /// # Safety
 /// `dst` writable and every `srcs[r]` readable for `len` `u16`; `dst` may equal a source
@@ -239,35 +277,35 @@ unsafe fn run<F: Format>(
     let n = srcs.len();
     let src = |r: usize| srcs[r].cast::<u16>();
     let mut i = 0;
-    while i + UNROLL * LANES <= len {
-        // SAFETY: i + 32 <= len, so every vector read lies inside each source.
-        let acc = reduce_vectors::<UNROLL>(n, |r, k| unsafe { F::load(src(r).add(i + k * LANES)) }, pre, comb, fin);
+    while i + UNROLL * UNIT <= len {
+        // SAFETY: i + 32 <= len, so every unit read lies inside each source.
+        let acc = reduce_units::<UNROLL>(n, |r, k| unsafe { F::load(src(r).add(i + k * UNIT)) }, pre, comb, fin);
         for (k, a) in acc.into_iter().enumerate() {
             // SAFETY: as above, for `dst`; all sources of these elements were read.
-            unsafe { F::store(dst.add(i + k * LANES), a) };
+            unsafe { F::store(dst.add(i + k * UNIT), a) };
         }
-        i += UNROLL * LANES;
+        i += UNROLL * UNIT;
     }
-    while i + LANES <= len {
-        // SAFETY: i + 8 <= len.
-        let [a] = reduce_vectors::<1>(n, |r, _| unsafe { F::load(src(r).add(i)) }, pre, comb, fin);
+    while i + UNIT <= len {
+        // SAFETY: i + 16 <= len.
+        let [a] = reduce_units::<1>(n, |r, _| unsafe { F::load(src(r).add(i)) }, pre, comb, fin);
         // SAFETY: as above, for `dst`.
         unsafe { F::store(dst.add(i), a) };
-        i += LANES;
+        i += UNIT;
     }
     let rest = len - i;
     if rest > 0 {
         let ld = |r: usize, _| {
-            let mut pad = [0u16; LANES];
-            // SAFETY: `rest` < 8 elements remain in source `r` from `i`; `pad` is local.
+            let mut pad = [0u16; UNIT];
+            // SAFETY: `rest` < 16 elements remain in source `r` from `i`; `pad` is local.
             unsafe {
                 std::ptr::copy_nonoverlapping(src(r).add(i), pad.as_mut_ptr(), rest);
                 F::load(pad.as_ptr())
             }
         };
-        let [a] = reduce_vectors::<1>(n, ld, pre, comb, fin);
-        let mut out = [0u16; LANES];
-        // SAFETY: `out` is local and 8 long; then `rest` elements remain in `dst` from `i`.
+        let [a] = reduce_units::<1>(n, ld, pre, comb, fin);
+        let mut out = [0u16; UNIT];
+        // SAFETY: `out` is local and 16 long; then `rest` elements remain in `dst` from `i`.
         unsafe {
             F::store(out.as_mut_ptr(), a);
             std::ptr::copy_nonoverlapping(out.as_ptr(), dst.add(i), rest);

@@ -80,24 +80,22 @@ fn element<T: Half>(rng: &mut Rng) -> u16 {
     }
 }
 
+/// NaN-propagating min: the accumulator `a` if NaN, else `b` if NaN (or smaller), else `a`.
 fn nan_min(a: f32, b: f32) -> f32 {
     if a.is_nan() {
         a
-    } else if b.is_nan() {
-        b
-    } else if b < a {
+    } else if b.is_nan() || b < a {
         b
     } else {
         a
     }
 }
 
+/// NaN-propagating max: the accumulator `a` if NaN, else `b` if NaN (or larger), else `a`.
 fn nan_max(a: f32, b: f32) -> f32 {
     if a.is_nan() {
         a
-    } else if b.is_nan() {
-        b
-    } else if b > a {
+    } else if b.is_nan() || b > a {
         b
     } else {
         a
@@ -220,7 +218,9 @@ fn sums_that_tie_round_to_even() {
     // bfloat16: 1 + 2^-8 lies halfway between 1 (0x3f80, even) and 0x3f81; (1 + 2^-7) +
     // 2^-8 lies halfway between 0x3f81 and 0x3f82 (even). The same below 0 with the sign.
     // Repeated to 40 elements, so the 32-wide body, the 8-wide body and no tail all see it.
-    let cases: [(DType, [u16; 4], [u16; 4], [u16; 4]); 2] = [
+    // (dtype, first source, second source, expected sum), repeated cyclically.
+    type Case = (DType, [u16; 4], [u16; 4], [u16; 4]);
+    let cases: [Case; 2] = [
         (DType::BF16, [0x3f80, 0x3f81, 0xbf80, 0xbf81], [0x3b80, 0x3b80, 0xbb80, 0xbb80], [0x3f80, 0x3f82, 0xbf80, 0xbf82]),
         // float16: 1 + 2^-11 and (1 + 2^-10) + 2^-11.
         (DType::F16, [0x3c00, 0x3c01, 0xbc00, 0xbc01], [0x1000, 0x1000, 0x9000, 0x9000], [0x3c00, 0x3c02, 0xbc00, 0xbc02]),
