@@ -1,5 +1,7 @@
 //! Criterion bench of the reduction kernels alone (no synchronisation): reducing 2 and 4
-//! sources of one chunk, per dtype, against a plain copy of the same bytes.
+//! sources of one chunk, per dtype, against a plain copy of the same bytes. bfloat16 and
+//! float16 take the AVX2 / F16C kernels of `rust/reduce/half_x86.rs` where the CPU has them
+//! (the generic ones otherwise); figures and history: docs/benchmark.md.
 //!
 //! Run: `cargo bench --bench kernels`.
 

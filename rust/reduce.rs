@@ -3,7 +3,12 @@
 //! Semantics (shared by every collective that reduces):
 //! - Sources are combined in rank order `0, 1, ..., n-1`; every rank that computes an
 //!   element computes it the same way, so results are bitwise identical on every rank.
-//! - `float16` and `bfloat16` accumulate in `float32` and round once at the end.
+//! - `float16` and `bfloat16` accumulate in `float32` and round once at the end
+//!   (round-to-nearest-even, as `half`'s `from_f32`; on x86-64 with AVX2 the kernels of
+//!   `half_x86` do this with the same bits as the generic ones).
+//! - When a float step meets two NaNs, which one's payload the result carries is left
+//!   open (by IEEE 754 and by the compiler, which may swap the operands of `+` and `*`);
+//!   the result is a NaN either way, and the same on every rank of a node.
 //! - Integer SUM and PRODUCT wrap around in the tensor's own type (two's complement), as
 //!   NCCL and Gloo do. Integers accumulate in `i64`: wrapping `i64` arithmetic truncated to
 //!   the element type gives the same bits as wrapping arithmetic in that type.
