@@ -98,20 +98,20 @@ trait Format {
 
 struct Bf16;
 impl Bf16 {
-    /// Rounds 8 float32 lanes to bfloat16 bits, each in the low half of its 32-bit lane.
+    /// Rounds 8 float32 lanes to bfloat16 bits, each in the high half of its 32-bit lane
+    /// (the low half is left over).
     ///
     /// # Safety
     /// The CPU supports AVX2.
     #[inline(always)]
-    unsafe fn round(v: __m256) -> __m256i {
+    unsafe fn round_high(v: __m256) -> __m256i {
         // SAFETY: AVX2 per the contract.
         unsafe {
             let x = _mm256_castps_si256(v);
-            let high = _mm256_srli_epi32::<16>(x);
-            let lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
             // No overflow: only NaNs have x + 0x8000 > u32::MAX, and they take `nan`.
-            let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb));
-            let nan = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+            let rounded = _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb);
+            let nan = _mm256_or_si256(x, _mm256_set1_epi32(0x0040_0000));
             let is_nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
             _mm256_blendv_epi8(rounded, nan, is_nan)
         }
@@ -122,22 +122,24 @@ impl Format for Bf16 {
     #[inline(always)]
     unsafe fn load(p: *const u16) -> Pair {
         // SAFETY: `p` readable for 32 bytes (unaligned load); AVX2 per the contract.
-        // Interleaving zero words below each element makes it the high half of a float32:
-        // elements 0-3 and 8-11 in the first vector, 4-7 and 12-15 in the second.
+        // Each 32-bit lane holds two elements: the even one (low word) shifted up, and the
+        // odd one (high word) with the low word cleared, are each a float32. No shuffles.
         unsafe {
             let v = _mm256_loadu_si256(p.cast());
-            let z = _mm256_setzero_si256();
-            [_mm256_castsi256_ps(_mm256_unpacklo_epi16(z, v)), _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, v))]
+            let even = _mm256_slli_epi32::<16>(v);
+            let odd = _mm256_and_si256(v, _mm256_set1_epi32(0xffff_0000u32 as i32));
+            [_mm256_castsi256_ps(even), _mm256_castsi256_ps(odd)]
         }
     }
 
     #[inline(always)]
     unsafe fn store(p: *mut u16, v: Pair) {
-        // SAFETY: `p` writable for 32 bytes (unaligned store); AVX2 per the contract. Every
-        // rounded lane is <= 0xffff, so packus's unsigned saturation never clips, and its
-        // per-128-bit-lane order is the inverse of the unpacks in `load`.
+        // SAFETY: `p` writable for 32 bytes (unaligned store); AVX2 per the contract. The
+        // even elements' bits go back to the low words, the odd ones' stay in the high
+        // words, as `load` took them.
         unsafe {
-            let packed = _mm256_packus_epi32(Self::round(v[0]), Self::round(v[1]));
+            let even = _mm256_srli_epi32::<16>(Self::round_high(v[0]));
+            let packed = _mm256_blend_epi16::<0b1010_1010>(even, Self::round_high(v[1]));
             _mm256_storeu_si256(p.cast(), packed);
         }
     }
