@@ -191,7 +191,7 @@ def rank_wait_timeout() -> dict:
 
 def rank_idle_thread(idle_s: float) -> dict:
     """After async calls, the group's progress thread parks on its condition variable and
-    does not wake while nothing is submitted (the core counts its wakeups: no CPU-time
+    does not wake while nothing is submitted, nor for synchronous calls (the core counts its wakeups: no CPU-time
     measurement, no thread listing); destroy_process_group joins it."""
     import flagos_shm
 
@@ -200,17 +200,29 @@ def rank_idle_thread(idle_s: float) -> dict:
     try:
         for _ in range(20):
             dist.all_reduce(torch.ones(1000), group=group, async_op=True).wait()
-        # The thread may still be on its way back to the wait (it was woken by the last
-        # call's completion): wait, boundedly, until it is parked.
+        # The thread may still be on its way back to the wait, or not have run yet since
+        # the last submission woke it (it runs SCHED_BATCH: a wake-up does not preempt
+        # this thread, and wait() ran the call itself): wait, boundedly, until it has been
+        # parked with an unchanged wake-up count for 3 checks 50 ms apart.
         deadline = time.monotonic() + 10.0
-        while not comm.progress_thread[1] and time.monotonic() < deadline:
-            time.sleep(0.005)
+        last, stable = None, 0
+        while stable < 3 and time.monotonic() < deadline:
+            state = comm.progress_thread
+            stable = stable + 1 if state[1] and state == last else 0
+            last = state
+            time.sleep(0.05)
         running, parked, before = comm.progress_thread
         time.sleep(idle_s)
         _, parked_after, after = comm.progress_thread
+        # Synchronous calls run on this thread and do not wake the idle one either.
+        for _ in range(20):
+            dist.all_reduce(torch.ones(1000), group=group)
+        time.sleep(0.2)
+        _, parked_sync, after_sync = comm.progress_thread
     finally:
         dist.destroy_process_group(group)
-    return {"running": running, "parked": parked and parked_after, "wakeups_while_idle": after - before,
+    return {"running": running, "parked": parked and parked_after and parked_sync,
+            "wakeups_while_idle": after - before, "wakeups_during_sync_calls": after_sync - after,
             "running_after_destroy": comm.progress_thread[0]}
 
 
@@ -313,7 +325,8 @@ def test_wait_timeout_aborts_the_group(worlds):
 
 def test_idle_progress_thread_sleeps_without_waking(worlds):
     for res in worlds(2).run(rank_idle_thread, 0.5):
-        assert res == {"running": True, "parked": True, "wakeups_while_idle": 0, "running_after_destroy": False}, res
+        assert res == {"running": True, "parked": True, "wakeups_while_idle": 0, "wakeups_during_sync_calls": 0,
+                       "running_after_destroy": False}, res
 
 
 def test_ddp_overlaps_allreduce_with_backward_on_flagos(worlds, emulator_built):  # noqa: F811  (the fixture)

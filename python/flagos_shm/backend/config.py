@@ -2,7 +2,8 @@
 
 Each function reads the environment when it is called (group creation or import), so a
 test or a launcher can set a variable before it creates a group. The core (``_core``)
-still reads ``FLAGOS_SHM_CMA`` and ``FLAGOS_SHM_CMA_MIN_BYTES`` itself (see the README).
+still reads ``FLAGOS_SHM_CMA``, ``FLAGOS_SHM_CMA_MIN_BYTES`` and ``FLAGOS_SHM_PROGRESS_BATCH``
+itself (see the README).
 
 Variables:
     FLAGOS_SHM_DIR: directory of the shared-memory segments (default ``/dev/shm``).
