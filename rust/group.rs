@@ -301,14 +301,6 @@ impl Communicator {
         self.seg.slot(r, p)
     }
 
-    /// Where in every slot this call puts a chunk of `bytes` that the slot holds several
-    /// times over: the slot is cut into `k` = slot / `bytes` (rounded up to 4 KiB, at most
-    /// [`ROTATIONS`]) places and call `seq` takes place `seq % k`, the same on every rank.
-    /// Successive small collectives thus write different lines instead of rewriting the
-    /// ones the peers have just read (on the AMD EPYC VM that rewrite, which must take
-    /// the lines back from the peers' caches, was most of a 64-256 KiB one-shot
-    /// allreduce: see `algorithms`). Returns the offset in bytes; `offset + bytes <=
-    /// slot_bytes` always (0 when the chunk fills more than half the slot).
     /// Rank `r`'s slot of parity `p` at this call's place for a chunk of `bytes`
     /// ([`Self::rotation`]): `bytes` bytes from the returned pointer lie inside the slot
     /// when `bytes <= slot_bytes`.
@@ -317,6 +309,14 @@ impl Communicator {
         self.slot(r, p).wrapping_add(self.rotation(bytes))
     }
 
+    /// Where in every slot this call puts a chunk of `bytes` that the slot holds several
+    /// times over: the slot is cut into `k` = slot / `bytes` (rounded up to 4 KiB, at most
+    /// [`ROTATIONS`]) places and call `seq` takes place `seq % k`, the same on every rank.
+    /// Successive small collectives thus write different lines instead of rewriting the
+    /// ones the peers have just read (on the AMD EPYC VM that rewrite, which must take
+    /// the lines back from the peers' caches, was most of a 64-256 KiB one-shot
+    /// allreduce: see `algorithms`). Returns the offset in bytes; `offset + bytes <=
+    /// slot_bytes` always (0 when the chunk fills more than half the slot).
     pub(crate) fn rotation(&self, bytes: usize) -> usize {
         let span = bytes.div_ceil(segment::PAGE).max(1) * segment::PAGE;
         let k = (self.seg.slot_bytes() / span).min(ROTATIONS);

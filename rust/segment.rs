@@ -55,8 +55,8 @@ pub const PAGE: usize = 4096;
 /// Bytes of one chunk slot of a new segment, unless the caller asks for a size
 /// ([`default_slot_bytes`] picks between this and [`SMALL_SLOT_BYTES`]). Each rank owns
 /// two, so a group of n ranks maps n * 2 MiB plus a few KiB (4 MiB at 2 ranks, 16 MiB at
-/// 8) whatever the tensor sizes. Measured on an AMD EPYC 2-vCPU VM (2026-12-01,
-/// `examples`-style timing of the core's allreduce, world size 2, ranks pinned, two runs):
+/// 8) whatever the tensor sizes. Measured on an AMD EPYC 2-vCPU VM (2026-12-01, a build
+/// of the core with per-phase timers in its allreduce, world size 2, ranks pinned, two runs):
 /// one 1 MiB chunk instead of four 256 KiB ones cut the two-step allreduce of 1 MiB from
 /// 155-184 us to 91-96 us and of 4 MiB from 610-750 us to 365-372 us (each chunk is one
 /// more pair of steps, and rewriting a slot right after the peer has read it costs far
