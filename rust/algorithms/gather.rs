@@ -41,11 +41,15 @@ impl Communicator {
             self.sync(ch.first().then_some(&d))?;
             if root.is_none_or(|q| q == self.rank) {
                 for r in 0..self.n {
-                    // SAFETY: rank r's slot of step p was published by the sync; the
-                    // destination range lies in `output` (n * count elements). It may
-                    // overlap `input` only for r == rank, where it receives the very
-                    // bytes already copied from there (hence `copy`).
-                    unsafe { std::ptr::copy(at(self, r), output.add((r * count + ch.off) * es), ch.len * es) };
+                    // SAFETY: the destination range lies in `output` (n * count elements).
+                    let dst = unsafe { output.add((r * count + ch.off) * es) };
+                    if r == self.rank && std::ptr::eq(dst, input.wrapping_add(ch.off * es)) {
+                        continue; // in place (FSDP's all-gather): our piece is already there
+                    }
+                    // SAFETY: rank r's slot of step p was published by the sync. The
+                    // destination may overlap `input` only for r == rank, where it
+                    // receives the very bytes already copied from there (hence `copy`).
+                    unsafe { std::ptr::copy(at(self, r), dst, ch.len * es) };
                 }
             }
         }

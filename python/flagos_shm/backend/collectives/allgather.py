@@ -48,7 +48,7 @@ class Gathering(CollectiveBase):
         name = "all_gather_single"
         with self._validating(name, (output, input)):
             a = self._args(opts)
-            out, inp = self._stage_pair(output, input, "output", "input")
+            out, inp = self._stage_pair(output, input, "output", "input", own_piece=True)
             if out.numel != self._world_size * inp.numel:
                 raise ValueError(f"output: expected world_size * input.numel() = {self._world_size} * "
                                  f"{inp.tensor.numel()} elements, got {output.numel()}")

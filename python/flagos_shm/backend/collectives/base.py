@@ -354,12 +354,21 @@ class CollectiveBase:
         wrapped.__cause__ = exc
         return wrapped
 
-    def _stage_pair(self, output, input, out_arg: str, in_arg: str):
-        """Stage an (output, input) pair of one dtype; copy the input if it overlaps the output."""
+    def _stage_pair(self, output, input, out_arg: str, in_arg: str, own_piece: bool = False):
+        """Stage an (output, input) pair of one dtype; copy the input if it overlaps the output.
+
+        Args:
+            own_piece: an allgather's pair: an input that is exactly this rank's piece of the
+                output (FSDP's in-place all-gather) is used where it lies, not copied, when
+                the group is the core's (its allgather reads the input before writing
+                anything else and never writes that piece with other bytes; a group
+                spanning nodes copies it as before)."""
         out = staging.stage(output, out_arg, read=False, write=True)
         inp = staging.stage(input, in_arg, read=True)
         options.same_dtype([out, inp], [out_arg, in_arg])
-        if inp.overlaps(out):  # e.g. FSDP's in-place all-gather: the input is a slice of the output
+        if inp.overlaps(out) and not (own_piece and type(self._comm) is _core.Communicator
+                                      and out.nbytes == self._world_size * inp.nbytes
+                                      and inp.ptr == out.ptr + self._rank * inp.nbytes):
             inp = staging.stage(inp.host.clone(), in_arg)
         return out, inp
 
