@@ -24,7 +24,6 @@ Reference reductions follow the documented semantics of the flagos_shm core
 from __future__ import annotations
 
 import functools
-import os
 import zlib
 from typing import Optional, Sequence
 
@@ -48,17 +47,14 @@ DEFAULT_ONE_SHOT_MAX_BYTES = 256 * 1024
 
 
 def slot_bytes() -> int:
-    """The chunk-slot size of this rank's flagos_shm groups: ``FLAGOS_SHM_SLOT_BYTES``, else
-    the core's default for the segment directory and the default group's size."""
-    raw = os.environ.get("FLAGOS_SHM_SLOT_BYTES", "").strip()
-    if raw:
-        return int(raw)
+    """The chunk-slot size of this rank's flagos_shm groups, as the backend picks it for the
+    default group's size (``FLAGOS_SHM_SLOT_BYTES``, else the core's default for the segment
+    directory: ``config.segment_config``); 256 KiB where flagos_shm is not importable."""
     try:
-        from flagos_shm import _core
+        from flagos_shm.backend.config import segment_config
     except ImportError:
         return DEFAULT_SLOT_BYTES
-    n = dist.get_world_size() if dist.is_initialized() else 1
-    return int(_core.default_slot_bytes(os.environ.get("FLAGOS_SHM_DIR") or "/dev/shm", n))
+    return segment_config(dist.get_world_size() if dist.is_initialized() else 1)[1]
 
 
 def one_shot_max_bytes() -> int:
