@@ -76,9 +76,9 @@ def _group_plan(env: dict, allreduce_bytes: int = 1 << 20):
     return (plan, source), or the ValueError's message."""
     from flagos_shm.backend import shm_part
 
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    import faults
+
+    with faults.env_override(**env):
         try:
             g = dist.new_group(ranks=list(range(dist.get_world_size())), backend="flagos_shm")
         except ValueError as exc:
@@ -91,12 +91,6 @@ def _group_plan(env: dict, allreduce_bytes: int = 1 << 20):
         out = {"plan": pg._comm.plan, "source": pg._plan_source, "correct": ok}
         dist.destroy_process_group(g)
         return out
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def measured_then_cached(cache: str, busy: bool):
