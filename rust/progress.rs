@@ -15,8 +15,9 @@
 //! no thread) and sleeps on a condition variable of its own while the queue is empty: an
 //! idle group uses no CPU, and synchronous calls do not wake it. It runs under
 //! `SCHED_BATCH` (`FLAGOS_SHM_PROGRESS_BATCH=0`: not), so that its wake-ups do not
-//! preempt the thread that submitted (see `batch_policy`). Every collective, inline or queued, honours the communicator's timeout and
-//! abort flag, so a queued job cannot wait forever; [`Progress::close`] aborts the group
+//! preempt the thread that submitted (see `batch_policy`). Every collective, inline or
+//! queued, honours the communicator's timeout and abort flag, so a queued job cannot wait
+//! forever; [`Progress::close`] aborts the group
 //! if work is still queued or running (queued jobs then fail without running), joins the
 //! thread and drops the communicator (unmapping the segment).
 //!
