@@ -1,6 +1,8 @@
-"""The per-call fast path of ``allreduce`` (``Reduction._allreduce_fast``): the common case
-(one contiguous CPU tensor, default options) skips staging, and every other case still
-takes the full path with all its checks, on both c10d routes."""
+"""The per-call fast paths of ``allreduce``, ``all_gather_into_tensor`` and
+``reduce_scatter_tensor`` (``_allreduce_fast``, ``_all_gather_single_fast``,
+``_reduce_scatter_single_fast``): the common case (contiguous CPU tensors, default options)
+skips staging, and every other case still takes the full path with all its checks, on both
+c10d routes."""
 
 from __future__ import annotations
 
@@ -62,3 +64,100 @@ def test_common_case_skips_staging_and_other_cases_keep_their_checks(worlds, bac
         assert r["int"]
         assert r["async"] == (True, True, 0), r
         assert r["async_strided"][0] and r["async_strided"][1] >= 1, r
+
+
+def gather_and_scatter_paths():
+    """Each case: (result as expected, number of tensors staged)."""
+    from flagos_shm import staging
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    staged = []
+    real = staging.stage
+    staging.stage = lambda *a, **k: staged.append(a[1]) or real(*a, **k)
+
+    def case(fn):
+        staged.clear()
+        return fn(), len(staged)
+
+    try:
+        out = {}
+        k = 5
+        rows = [torch.arange(k, dtype=torch.float64) + 10 * r for r in range(n)]  # rank r's input
+
+        def ag_out_of_place(async_op=False):
+            o = torch.full((n * k,), -1.0, dtype=torch.float64)
+            w = dist.all_gather_into_tensor(o, rows[rank].clone(), async_op=async_op)
+            if async_op:
+                w.wait()
+            return o.tolist() == torch.cat(rows).tolist()
+        out["ag"] = case(ag_out_of_place)
+        out["ag_async"] = case(lambda: ag_out_of_place(True))
+
+        def ag_in_place():
+            o = torch.full((n * k,), -1.0, dtype=torch.float64)
+            o[rank * k:(rank + 1) * k] = rows[rank]
+            dist.all_gather_into_tensor(o, o[rank * k:(rank + 1) * k])
+            return o.tolist() == torch.cat(rows).tolist()
+        out["ag_in_place"] = case(ag_in_place)
+
+        def ag_overlap():  # the input overlaps the output, but is not this rank's piece
+            o = torch.full((n * k + 1,), -1.0, dtype=torch.float64)
+            inp = o[1:k + 1]
+            inp.copy_(rows[rank])
+            dist.all_gather_into_tensor(o[:n * k], inp)
+            return o[:n * k].tolist() == torch.cat(rows).tolist()
+        out["ag_overlap"] = case(ag_overlap)
+
+        def ag_bad_size():
+            try:
+                dist.all_gather_into_tensor(torch.empty(n * k + 1), torch.ones(k))
+            except ValueError as exc:
+                return "output" in str(exc)
+            return False
+        out["ag_bad"] = case(ag_bad_size)
+
+        # reduce-scatter: rank r contributes (r + 1) * [0, 1, ..., n*k); rank q gets its slice times n(n+1)/2
+        full = torch.arange(n * k, dtype=torch.float32)
+        want = (full[rank * k:(rank + 1) * k] * (n * (n + 1) / 2)).tolist()
+
+        def rs(async_op=False, op=dist.ReduceOp.SUM):
+            o = torch.full((k,), -1.0)
+            w = dist.reduce_scatter_tensor(o, full * (rank + 1), op=op, async_op=async_op)
+            if async_op:
+                w.wait()
+            return o.tolist()
+        dist.reduce_scatter_tensor(torch.empty(k), full.clone())  # the first (op, dtype) pair: full path
+        out["rs"] = case(lambda: rs() == want)
+        out["rs_async"] = case(lambda: rs(True) == want)
+        rs(op=dist.ReduceOp.MAX)  # the first MAX of float32: full path
+        out["rs_max"] = case(lambda: rs(op=dist.ReduceOp.MAX) == (full[rank * k:(rank + 1) * k] * n).tolist())
+
+        def rs_overlap():  # the output is inside the input: the full path copies the input
+            buf = full * (rank + 1)
+            dist.reduce_scatter_tensor(buf[:k], buf)
+            return buf[:k].tolist() == want
+        out["rs_overlap"] = case(rs_overlap)
+
+        def rs_bad_op():
+            try:
+                dist.reduce_scatter_tensor(torch.empty(k), full.clone(), op=dist.ReduceOp.BAND)
+            except TypeError as exc:
+                return "BAND" in str(exc)
+            return False
+        out["rs_bad_op"] = case(rs_bad_op)
+        return out
+    finally:
+        staging.stage = real
+
+
+@pytest.mark.parametrize("route", ["auto", "process_group"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_gather_and_scatter_common_cases_skip_staging(worlds, backend, route, world_size):
+    if backend != "flagos_shm":
+        pytest.skip("flagos_shm's per-call path")
+    for r in worlds(world_size, FLAGOS_SHM_ROUTE=route).run(gather_and_scatter_paths):
+        for name in ("ag", "ag_async", "ag_in_place", "rs", "rs_async", "rs_max"):
+            assert r[name] == (True, 0), (name, r)
+        for name in ("ag_overlap", "rs_overlap"):  # full path: the input is copied (staged again)
+            assert r[name][0] and r[name][1] >= 3, (name, r)
+        assert r["ag_bad"][0] and r["rs_bad_op"][0], r

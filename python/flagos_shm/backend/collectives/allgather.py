@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import torch
+from torch._C import _distributed_c10d as c10d
 
-from ... import staging
+from ... import _core, staging
 from ...work import ShmWork
 from .. import options
-from .base import CollectiveBase
+from .base import SLOW, CollectiveBase, fast_dtype
+
+_ALLGATHER_OPTIONS = c10d.AllgatherOptions
+_CORE_COMM = _core.Communicator
+_UNSET_TIMEOUT = options._UNSET_TIMEOUT
 
 
 class Gathering(CollectiveBase):
@@ -45,6 +50,9 @@ class Gathering(CollectiveBase):
     def all_gather_single(self, output, input, opts=None) -> ShmWork:
         """Gather every rank's ``input`` into ``output`` (``world_size * input.numel()``
         elements, rank r's data at ``[r * numel, (r + 1) * numel)`` of the flattened output)."""
+        done = self._all_gather_single_fast(output, input, opts)
+        if done is not SLOW:
+            return done
         name = "all_gather_single"
         with self._validating(name, (output, input)):
             a = self._args(opts)
@@ -56,6 +64,32 @@ class Gathering(CollectiveBase):
         return self._run(name, [output], [out], [lambda done: comm.allgather(
             inp.ptr, inp.nbytes, out.ptr, out.nbytes, inp.numel, inp.dtype, a.timeout_s, done)], opts)
 
+
+    def _all_gather_single_fast(self, output, input, opts):
+        """The common case of :meth:`all_gather_single` (FSDP2's parameter all-gather): two
+        tensors that :func:`~.base.fast_dtype` takes, of one dtype, ``output`` exactly
+        ``world_size`` times ``input``, not overlapping it, or (on a single-node group)
+        ``input`` exactly this rank's piece of ``output`` (in place, as
+        :meth:`~.base.CollectiveBase._stage_pair` allows); exact ``AllgatherOptions``, no
+        per-call timeout, nothing pending or coalescing, an open group. Returns what
+        :meth:`all_gather_single` would, or :data:`~.base.SLOW` (nothing done)."""
+        if (type(opts) is not _ALLGATHER_OPTIONS or self._pending or self._closed
+                or self._coalesced is not None):
+            return SLOW
+        dtype = fast_dtype(input)
+        if dtype is None or fast_dtype(output) is None or input.dtype != output.dtype or opts.timeout != _UNSET_TIMEOUT:
+            return SLOW
+        numel = input.numel()
+        if numel == 0 or output.numel() != self._world_size * numel:
+            return SLOW
+        es = input.element_size()
+        in_ptr, out_ptr, in_bytes, out_bytes = input.data_ptr(), output.data_ptr(), numel * es, output.numel() * es
+        if (in_ptr < out_ptr + out_bytes and out_ptr < in_ptr + in_bytes
+                and not (in_ptr == out_ptr + self._rank * in_bytes and type(self._comm) is _CORE_COMM)):
+            return SLOW  # overlapping other than in place: the full path copies the input first
+        comm = self._comm
+        return self._fast_call("all_gather_single", [output], lambda done: comm.allgather(
+            in_ptr, in_bytes, out_ptr, out_bytes, numel, dtype, None, done), opts.asyncOp, (input,))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None) -> ShmWork:
         """Gather each ``input_list[i]`` of every rank: ``output_lists[r][i]`` receives rank

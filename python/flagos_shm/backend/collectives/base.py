@@ -33,7 +33,23 @@ from ..rendezvous import describe_layout, rendezvous
 
 _log = logging.getLogger("flagos_shm")
 
-__all__ = ["CollectiveBase"]
+__all__ = ["CollectiveBase", "SLOW"]
+
+#: Returned by a collective's fast path (``_allreduce_fast``, ``_all_gather_single_fast``,
+#: ``_reduce_scatter_single_fast``) when the call is not its common case: nothing was done,
+#: and the full path (all checks, staging) runs instead.
+SLOW = object()
+_CORE_DTYPES = staging.CORE_DTYPES  # real dtypes only: complex tensors take the full path
+_STRIDED = torch.strided
+
+
+def fast_dtype(t) -> Optional[str]:
+    """The core dtype of ``t`` if it is a tensor the fast paths take as it is, else None:
+    an exact ``torch.Tensor`` on the CPU, strided, contiguous, without a lazy negation,
+    of a real core dtype."""
+    if type(t) is not torch.Tensor or not t.is_cpu or t.layout != _STRIDED or not t.is_contiguous() or t.is_neg():
+        return None
+    return _CORE_DTYPES.get(t.dtype)
 
 
 class _Validation:
@@ -270,6 +286,53 @@ class CollectiveBase:
         if self._coalesced is not None:
             self._coalesced.append(work)
         return work
+
+    def _fast_call(self, name: str, outputs: list, issue: Callable, async_op, inputs=()) -> Optional[ShmWork]:
+        """The tail every fast path shares: one core call on the caller's own memory (no
+        staging, no write-back), run inline, or queued on the progress thread when
+        ``async_op`` is True (and async is on). What :meth:`_run` does for such a call,
+        without what it does not need (staging, write-back, ordering later calls after it).
+
+        Args:
+            outputs: the caller's tensors: the work's result; the work (and so the queued
+                call's callback) holds them until the core has finished with their memory.
+            inputs: the other tensors the call reads, held as long (an input the caller
+                drops at once, such as a temporary, must not be freed under the core).
+            issue: issues the core call, given its ``done`` argument (None: inline); returns
+                the core's ticket.
+            async_op: the call's ``opts.asyncOp``.
+
+        The caller has checked that nothing is pending, coalescing or closed.
+        """
+        if async_op is True and self._async:
+            comm = self._comm
+            ticket = 0
+            work = ShmWork(outputs, pending=True, abort=self.abort, help=lambda: comm.wait_ticket(ticket))
+
+            def done(error, _inputs=inputs) -> None:  # the core holds done, done the inputs
+                work._complete(None if error is None else self._error(name, error))
+
+            try:
+                with self._lock:
+                    if self._closed:
+                        raise RuntimeError("the process group has been shut down")
+                    ticket = issue(done)
+            except Exception as exc:  # not queued: the callback never runs
+                work._complete(self._error(name, exc))
+            return work
+        error = None
+        try:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the process group has been shut down")
+                issue(None)
+        except Exception as exc:
+            error = self._error(name, exc)
+        if self._sync_returns_none:
+            if error is not None:
+                raise error
+            return None
+        return ShmWork(outputs, error)
 
     def _run_inline(self, name: str, buffers: Sequence[staging.HostBuffer], calls: Sequence[Callable],
                     after: Optional[Callable[[], None]]) -> Optional[Exception]:

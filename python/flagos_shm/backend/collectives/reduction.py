@@ -9,12 +9,10 @@ from torch._C import _distributed_c10d as c10d
 from ... import staging
 from ...work import ShmWork
 from .. import options
-from .base import CollectiveBase
+from .base import SLOW, CollectiveBase, fast_dtype
 
-#: Returned by :meth:`Reduction._allreduce_fast` when the call is not the common case.
-SLOW = object()
 _ALLREDUCE_OPTIONS = c10d.AllreduceOptions
-_CORE_DTYPES = staging.CORE_DTYPES  # real dtypes only: complex tensors take the full path
+_REDUCE_SCATTER_OPTIONS = c10d.ReduceScatterOptions
 _UNSET_TIMEOUT = options._UNSET_TIMEOUT
 
 
@@ -40,62 +38,24 @@ class Reduction(CollectiveBase):
 
     def _allreduce_fast(self, tensors, opts):
         """The common case of :meth:`allreduce`, with the same checks spelled out for it:
-        a list of one contiguous, non-negated CPU tensor of a real core dtype (exact
-        ``torch.Tensor``), exact ``AllreduceOptions`` with an op already accepted for that
-        dtype (not PREMUL_SUM), no per-call timeout, nothing pending or coalescing, an open
-        group. Runs the core call inline (synchronous calls, or async off) or queues it on
-        the progress thread (:meth:`_allreduce_queued`); returns what :meth:`allreduce`
-        would, or :data:`SLOW` (nothing done) for any other call."""
+        a list of one tensor that :func:`~.base.fast_dtype` takes, exact
+        ``AllreduceOptions`` with an op already accepted for that dtype (not PREMUL_SUM), no
+        per-call timeout, nothing pending or coalescing, an open group. Runs the core call
+        inline or queued (:meth:`~.base.CollectiveBase._fast_call`); returns what
+        :meth:`allreduce` would, or :data:`~.base.SLOW` (nothing done) for any other call."""
         if (type(tensors) is not list or len(tensors) != 1 or type(opts) is not _ALLREDUCE_OPTIONS
                 or self._pending or self._closed or self._coalesced is not None):
             return SLOW
         t = tensors[0]
-        if type(t) is not torch.Tensor or not t.is_cpu:
-            return SLOW
-        dtype = _CORE_DTYPES.get(t.dtype)
-        if (dtype is None or t.layout != torch.strided or not t.is_contiguous() or t.is_neg()
-                or opts.timeout != _UNSET_TIMEOUT):
+        dtype = fast_dtype(t)
+        if dtype is None or opts.timeout != _UNSET_TIMEOUT:
             return SLOW
         op, _ = options.reduce_op(opts.reduceOp)
         if op == options.PREMUL_SUM or (op, t.dtype) not in options._VALID_OP_DTYPES:
             return SLOW
-        numel = t.numel()
-        if opts.asyncOp is True and self._async:
-            return self._allreduce_queued(t, numel, dtype, op)
-        error = None
-        try:
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("the process group has been shut down")
-                self._comm.allreduce(t.data_ptr(), numel * t.element_size(), numel, dtype, op)
-        except Exception as exc:
-            error = self._error("allreduce", exc)
-        if self._sync_returns_none:
-            if error is not None:
-                raise error
-            return None
-        return ShmWork([t], error)
-
-    def _allreduce_queued(self, t: torch.Tensor, numel: int, dtype: str, op: int) -> ShmWork:
-        """The asynchronous common case of :meth:`_allreduce_fast`: what
-        :meth:`CollectiveBase._run_async` does for it, without what a CPU tensor in place
-        does not need (staging, write-back, the ordering of later calls after it). The work
-        and the callback hold ``t`` until the core has finished with its memory."""
-        comm = self._comm
-        ticket = 0
-        work = ShmWork([t], pending=True, abort=self.abort, help=lambda: comm.wait_ticket(ticket))
-
-        def done(error) -> None:
-            work._complete(None if error is None else self._error("allreduce", error))
-
-        try:
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("the process group has been shut down")
-                ticket = comm.allreduce(t.data_ptr(), numel * t.element_size(), numel, dtype, op, 1.0, None, done)
-        except Exception as exc:  # not queued: the callback never runs
-            work._complete(self._error("allreduce", exc))
-        return work
+        numel, comm = t.numel(), self._comm
+        return self._fast_call("allreduce", tensors, lambda done: comm.allreduce(
+            t.data_ptr(), numel * t.element_size(), numel, dtype, op, 1.0, None, done), opts.asyncOp)
 
     def allreduce_coalesced(self, tensors, opts=None) -> ShmWork:
         """Reduce each tensor of ``tensors`` (one dtype, any sizes) in place, as one core
@@ -168,6 +128,9 @@ class Reduction(CollectiveBase):
     def reduce_scatter_single(self, output, input, opts=None) -> ShmWork:
         """Reduce ``input`` (``world_size * output.numel()`` elements) over all ranks; rank r
         receives the reduction of slice ``[r * numel, (r + 1) * numel)`` in ``output``."""
+        done = self._reduce_scatter_single_fast(output, input, opts)
+        if done is not SLOW:
+            return done
         name = "reduce_scatter_single"
         with self._validating(name, (output, input)):
             a = self._args(opts, "op")
@@ -180,6 +143,33 @@ class Reduction(CollectiveBase):
         return self._run(name, [output], [out], [lambda done: comm.reduce_scatter(
             inp.ptr, inp.nbytes, out.ptr, out.nbytes, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
 
+
+    def _reduce_scatter_single_fast(self, output, input, opts):
+        """The common case of :meth:`reduce_scatter_single` (FSDP2's gradient
+        reduce-scatter): two tensors that :func:`~.base.fast_dtype` takes, of one dtype,
+        ``input`` exactly ``world_size`` times ``output`` and not overlapping it, exact
+        ``ReduceScatterOptions`` with an op already accepted for that dtype (not
+        PREMUL_SUM), no per-call timeout, nothing pending or coalescing, an open group.
+        Returns what :meth:`reduce_scatter_single` would, or :data:`~.base.SLOW`."""
+        if (type(opts) is not _REDUCE_SCATTER_OPTIONS or self._pending or self._closed
+                or self._coalesced is not None):
+            return SLOW
+        dtype = fast_dtype(output)
+        if dtype is None or fast_dtype(input) is None or input.dtype != output.dtype or opts.timeout != _UNSET_TIMEOUT:
+            return SLOW
+        numel = output.numel()
+        if numel == 0 or input.numel() != self._world_size * numel:
+            return SLOW
+        op, _ = options.reduce_op(opts.reduceOp)
+        if op == options.PREMUL_SUM or (op, output.dtype) not in options._VALID_OP_DTYPES:
+            return SLOW
+        es = output.element_size()
+        out_ptr, in_ptr, out_bytes, in_bytes = output.data_ptr(), input.data_ptr(), numel * es, input.numel() * es
+        if in_ptr < out_ptr + out_bytes and out_ptr < in_ptr + in_bytes:
+            return SLOW  # overlapping: the full path copies the input first
+        comm = self._comm
+        return self._fast_call("reduce_scatter_single", [output], lambda done: comm.reduce_scatter(
+            in_ptr, in_bytes, out_ptr, out_bytes, numel, dtype, op, 1.0, None, done), opts.asyncOp, (input,))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> ShmWork:
         """``reduce_scatter_single`` of each ``(outputs[i], inputs[i])`` pair, as one core

@@ -17,8 +17,7 @@ import torch
 
 from ... import staging
 from ...work import ShmWork
-from .base import CollectiveBase
-from .reduction import SLOW
+from .base import SLOW, CollectiveBase
 
 __all__ = ["SparseReduction"]
 
