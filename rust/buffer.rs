@@ -137,6 +137,32 @@ impl<'a> Buf<'a> {
     }
 }
 
+/// Checks that the first `in_bytes` of `input` and the first `out_bytes` of `output` share
+/// no byte, except where `input` starts exactly `in_place` bytes into `output` (an
+/// allgather's input that is this rank's piece of its output). The collectives copy with
+/// `copy_nonoverlapping`, so any other overlap would be undefined behaviour, not just a
+/// wrong result. Call after both buffers passed [`Buf::check`] for these lengths.
+///
+/// Errors: `InvalidArgument` naming `out_ptr` and the collective `what`.
+pub(crate) fn check_disjoint(
+    what: &str,
+    input: &Buf<'_>,
+    in_bytes: usize,
+    output: &Buf<'_>,
+    out_bytes: usize,
+    in_place: Option<usize>,
+) -> Result<()> {
+    let (i, o) = (input.ptr as usize, output.ptr as usize);
+    if in_bytes == 0 || out_bytes == 0 || i >= o + out_bytes || o >= i + in_bytes {
+        return Ok(());
+    }
+    if in_place.is_some_and(|at| i == o + at && at + in_bytes <= out_bytes) {
+        return Ok(());
+    }
+    let allowed = if in_place.is_some() { " other than as this rank's piece of it" } else { "" };
+    Err(Error::InvalidArgument(format!("out_ptr: the output of {what} overlaps its input{allowed}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,5 +1,6 @@
 //! Reduce-scatter and alltoall through the slots: each rank copies the chunk of each of
-//! its n pieces in; rank r reduces (alltoall: copies) piece r from every slot.
+//! its n - 1 peers' pieces in; rank r reduces (alltoall: copies) piece r from every peer's
+//! slot and its own input.
 
 use super::{chunks, CMA_CHUNK_BYTES};
 use crate::desc::{Kind, Transfer};
@@ -33,22 +34,33 @@ impl Communicator {
         for ch in chunks(count, per) {
             let (off, len) = (ch.off, ch.len);
             let p = self.next_parity();
-            for q in 0..self.n {
+            // Our own piece never goes through the slot: the peers do not read it, and we
+            // read it where it lies (item 2 of the design: no copy-in of data read in place).
+            for q in (0..self.n).filter(|&q| q != self.rank) {
                 // SAFETY: n * len * es <= slot_bytes; source inside `input`.
                 unsafe { copy_nonoverlapping(input.add((q * count + off) * es), self.slot(self.rank, p).add(q * len * es), len * es) };
             }
             self.sync(ch.first().then_some(&d))?;
             for (q, s) in srcs.iter_mut().enumerate() {
-                // SAFETY: (rank + 1) * len * es <= slot_bytes.
-                *s = unsafe { self.slot(q, p).add(self.rank * len * es) };
+                // SAFETY: (rank + 1) * len * es <= slot_bytes; off + len <= count, so our
+                // own piece's chunk lies inside `input`.
+                *s = unsafe {
+                    if q == self.rank {
+                        input.add((q * count + off) * es)
+                    } else {
+                        self.slot(q, p).add(self.rank * len * es)
+                    }
+                };
             }
             match &red {
-                // SAFETY: every slot of step p is published; output range inside `output`.
+                // SAFETY: every peer slot of step p is published, our own source is the
+                // caller's input; the output range is inside `output`, which overlaps none
+                // of the sources.
                 Some(red) => unsafe { reduce_raw(red, output.add(off * es), &srcs, len) },
                 None => {
                     for (q, s) in srcs.iter().enumerate() {
                         // SAFETY: as above.
-                        unsafe { std::ptr::copy(*s, output.add((q * count + off) * es), len * es) };
+                        unsafe { copy_nonoverlapping(*s, output.add((q * count + off) * es), len * es) };
                     }
                 }
             }

@@ -43,13 +43,19 @@ impl Communicator {
                 for r in 0..self.n {
                     // SAFETY: the destination range lies in `output` (n * count elements).
                     let dst = unsafe { output.add((r * count + ch.off) * es) };
-                    if r == self.rank && std::ptr::eq(dst, input.wrapping_add(ch.off * es)) {
-                        continue; // in place (FSDP's all-gather): our piece is already there
+                    if r == self.rank {
+                        let src = input.wrapping_add(ch.off * es);
+                        if !std::ptr::eq(dst, src) {
+                            // Our own piece comes from where it lies, not back from our slot.
+                            // SAFETY: the source range is inside `input`; the destination
+                            // overlaps it only when equal (the contract), excluded here.
+                            unsafe { copy_nonoverlapping(src, dst, ch.len * es) };
+                        } // else in place (FSDP's all-gather): our piece is already there
+                        continue;
                     }
-                    // SAFETY: rank r's slot of step p was published by the sync. The
-                    // destination may overlap `input` only for r == rank, where it
-                    // receives the very bytes already copied from there (hence `copy`).
-                    unsafe { std::ptr::copy(at(self, r), dst, ch.len * es) };
+                    // SAFETY: rank r's slot of step p was published by the sync; the
+                    // destination, in rank r's piece of `output`, does not overlap `input`.
+                    unsafe { copy_nonoverlapping(at(self, r), dst, ch.len * es) };
                 }
             }
         }

@@ -40,8 +40,9 @@
 //!   all n chunks out. broadcast: the root copies in, the others copy out. Small chunks
 //!   take the call's place in the slot, as in the one-shot allreduce.
 //! - reduce: as the one-shot allreduce, only the root reduces.
-//! - reduce-scatter / alltoall: each rank copies the chunk of each of its n pieces in;
-//!   rank r reduces (alltoall: copies) piece r from every slot. scatter: the root copies
+//! - reduce-scatter / alltoall: each rank copies the chunk of each of its peers' n - 1
+//!   pieces in; rank r reduces (alltoall: copies) piece r from every peer's slot and, in
+//!   rank order, its own input (which never goes through a slot). scatter: the root copies
 //!   the chunk of each piece in, rank r copies piece r out.
 
 mod allreduce;
@@ -52,8 +53,8 @@ mod gather;
 mod rooted;
 mod table;
 
-use crate::buffer::Buf;
-use crate::error::{Error, Result};
+use crate::buffer::{check_disjoint, Buf};
+use crate::error::Result;
 pub use crate::plan::Plan;
 use crate::reduce::{DType, ReduceOp};
 use crate::segment;
@@ -150,7 +151,12 @@ impl Communicator {
     /// this rank's piece of `output`.
     pub fn allgather(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType) -> Result<()> {
         let es = dtype.size();
-        if let Err(e) = input.check("in_nbytes", count, es, 1, false).and(output.check("out_nbytes", count, es, self.n, true)) {
+        let own = self.rank * count * es; // no overflow once the output's check passed
+        if let Err(e) = input
+            .check("in_nbytes", count, es, 1, false)
+            .and_then(|()| output.check("out_nbytes", count, es, self.n, true))
+            .and_then(|()| check_disjoint("allgather", &input, count * es, &output, self.n * count * es, Some(own)))
+        {
             return self.reject(Kind::Allgather, e);
         }
         // SAFETY: both buffers are valid for their checked lengths (`Buf` contract).
@@ -162,7 +168,13 @@ impl Communicator {
     pub fn gather(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType, root: usize) -> Result<()> {
         self.check_root(root)?;
         let es = dtype.size();
-        let out_ok = if self.rank == root { output.check("out_nbytes", count, es, self.n, true) } else { Ok(()) };
+        let out_ok = if self.rank == root {
+            output
+                .check("out_nbytes", count, es, self.n, true)
+                .and_then(|()| check_disjoint("gather", &input, count * es, &output, self.n * count * es, Some(self.rank * count * es)))
+        } else {
+            Ok(())
+        };
         if let Err(e) = input.check("in_nbytes", count, es, 1, false).and(out_ok) {
             return self.reject(Kind::Gather, e);
         }
@@ -188,7 +200,11 @@ impl Communicator {
     pub fn reduce_scatter(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
         self.reduction(dtype, op, factor)?;
         let es = dtype.size();
-        if let Err(e) = input.check("in_nbytes", count, es, self.n, false).and(output.check("out_nbytes", count, es, 1, true)) {
+        if let Err(e) = input
+            .check("in_nbytes", count, es, self.n, false)
+            .and_then(|()| output.check("out_nbytes", count, es, 1, true))
+            .and_then(|()| check_disjoint("reduce_scatter", &input, self.n * count * es, &output, count * es, None))
+        {
             return self.reject(Kind::ReduceScatter, e);
         }
         // SAFETY: as in `allgather`.
@@ -200,15 +216,9 @@ impl Communicator {
     /// lands in output piece q.
     pub fn alltoall(&mut self, input: Buf<'_>, output: Buf<'_>, count: usize, dtype: DType) -> Result<()> {
         let es = dtype.size();
-        let mut ok = input.check("in_nbytes", count, es, self.n, false).and(output.check("out_nbytes", count, es, self.n, true));
-        let bytes = count * es * self.n; // no overflow: checked above when `ok`
-        if ok.is_ok() && bytes > 0 {
-            let (i, o) = (input.as_ptr() as usize, output.as_ptr() as usize);
-            if i < o + bytes && o < i + bytes {
-                ok = Err(Error::InvalidArgument("out_ptr: the output of alltoall overlaps its input".into()));
-            }
-        }
-        if let Err(e) = ok {
+        let ok = input.check("in_nbytes", count, es, self.n, false).and_then(|()| output.check("out_nbytes", count, es, self.n, true));
+        let bytes = count * es * self.n; // no overflow once both checks passed
+        if let Err(e) = ok.and_then(|()| check_disjoint("alltoall", &input, bytes, &output, bytes, None)) {
             return self.reject(Kind::Alltoall, e);
         }
         // SAFETY: as in `allgather`; the ranges do not overlap (checked above).

@@ -290,3 +290,89 @@ fn back_to_back_small_collectives_of_changing_sizes_stay_exact() {
         });
     }
 }
+
+#[test]
+fn own_pieces_read_in_place_give_exact_results_and_overlaps_are_refused() {
+    // Reduce-scatter and alltoall read this rank's own piece from its input, allgather and
+    // gather copy it from the input (or leave it, in place): values over several steps and
+    // world sizes against per-element formulas; an input that overlaps the output in any
+    // other way is refused on every rank, with nothing written.
+    const SLOT4K: usize = 4096;
+    for n in [1usize, 2, 3] {
+        let outs = with_group(n, SLOT4K, move |me, c| {
+            let len = 2500; // several 4 KiB steps per piece
+            let input: Vec<i64> = (0..n * len).map(|i| (me * 1_000_000 + i) as i64).collect();
+            let mut out = vec![-1i64; len];
+            c.reduce_scatter(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), len, DType::I64, ReduceOp::Sum, 1.0).unwrap();
+            for (i, x) in out.iter().enumerate() {
+                let want: i64 = (0..n).map(|r| (r * 1_000_000 + me * len + i) as i64).sum();
+                assert_eq!(*x, want, "reduce_scatter, rank {me}, element {i}");
+            }
+            let mut a2a = vec![-1i64; n * len];
+            c.alltoall(Buf::from_elems(&input), Buf::from_elems_mut(&mut a2a), len, DType::I64).unwrap();
+            for q in 0..n {
+                assert!((0..len).all(|i| a2a[q * len + i] == (q * 1_000_000 + me * len + i) as i64), "alltoall, rank {me}, piece {q}");
+            }
+            let mine = &input[..len];
+            let mut all = vec![-1i64; n * len];
+            c.allgather(Buf::from_elems(mine), Buf::from_elems_mut(&mut all), len, DType::I64).unwrap();
+            let want_all: Vec<i64> = (0..n * len).map(|j| ((j / len) * 1_000_000 + j % len) as i64).collect();
+            assert_eq!(all, want_all, "allgather out of place, rank {me}");
+            let mut g = vec![-1i64; n * len];
+            c.gather(Buf::from_elems(mine), Buf::from_elems_mut(&mut g), len, DType::I64, n - 1).unwrap();
+            if me == n - 1 {
+                assert_eq!(g, want_all, "gather");
+            }
+            // in place: the input is this rank's piece of the output
+            let mut inplace = vec![-1i64; n * len];
+            inplace[me * len..(me + 1) * len].copy_from_slice(mine);
+            let base = inplace.as_mut_ptr();
+            // SAFETY: both views lie in `inplace`, which outlives the call; the collective's
+            // docs allow exactly this overlap.
+            let (inp, outb) =
+                unsafe { (Buf::from_raw_parts(base.add(me * len).cast(), len * 8), Buf::from_raw_parts(base.cast(), n * len * 8)) };
+            c.allgather(inp, outb, len, DType::I64).unwrap();
+            assert_eq!(inplace, want_all, "allgather in place, rank {me}");
+            // any other overlap (rank 0 only; the others pass disjoint buffers) is refused
+            let mut errs = Vec::new();
+            let mut both = vec![7i64; (n + 1) * len];
+            let p = both.as_mut_ptr();
+            let mut fresh = vec![-1i64; n * len];
+            // SAFETY: every view lies in `both` or `fresh`, which outlive the calls; the
+            // overlaps are the point, and the calls refuse them before touching memory.
+            let (ag_in, ag_out, rs_in, rs_out) = unsafe {
+                if me == 0 {
+                    (
+                        Buf::from_raw_parts(p.add(1).cast(), len * 8),
+                        Buf::from_raw_parts(p.cast(), n * len * 8),
+                        Buf::from_raw_parts(p.cast(), n * len * 8),
+                        Buf::from_raw_parts(p.add(n * len - 1).cast(), len * 8),
+                    )
+                } else {
+                    (
+                        Buf::from_raw_parts(p.cast(), len * 8),
+                        Buf::from_raw_parts(fresh.as_mut_ptr().cast(), n * len * 8),
+                        Buf::from_raw_parts(p.cast(), n * len * 8),
+                        Buf::from_raw_parts(fresh.as_mut_ptr().cast(), len * 8),
+                    )
+                }
+            };
+            errs.push(c.allgather(ag_in, ag_out, len, DType::I64).err().map(|e| e.to_string()));
+            errs.push(c.reduce_scatter(rs_in, rs_out, len, DType::I64, ReduceOp::Sum, 1.0).err().map(|e| e.to_string()));
+            let untouched = both.iter().all(|x| *x == 7) && fresh.iter().all(|x| *x == -1);
+            // the group is still usable
+            let mut v = vec![me as i64; 3];
+            c.allreduce(Buf::from_elems_mut(&mut v), 3, DType::I64, ReduceOp::Sum, 1.0).unwrap();
+            (errs, untouched, v)
+        });
+        for (me, (errs, untouched, v)) in outs.iter().enumerate() {
+            for e in errs {
+                let e = e.as_deref().unwrap_or_else(|| panic!("rank {me} of {n}: an overlap was accepted"));
+                let want = if me == 0 { "overlaps its input" } else { "rank 0 rejected its arguments" };
+                assert!(e.contains(want), "rank {me} of {n}: {e}");
+            }
+            assert!(untouched, "rank {me} of {n}: a refused call wrote memory");
+            assert_eq!(*v, vec![(n * (n - 1) / 2) as i64; 3]);
+        }
+    }
+}
