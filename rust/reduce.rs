@@ -334,8 +334,9 @@ unsafe fn reduce_with<T: Elem>(
 /// one pass per source, with no conversion buffers. Same results as `reduce_with`.
 ///
 /// # Safety
-/// As [`reduce_with`]; `dst` may equal any source exactly (each element is read from all
-/// sources before it is written).
+/// As [`reduce_with`]; `dst` may equal `srcs[0]` or `srcs[1]` exactly (the first pass
+/// reads both before it writes an element), not a later source, which the later passes
+/// read after the first has overwritten it.
 #[inline(always)]
 unsafe fn reduce_direct<T: Copy>(dst: *mut T, srcs: &[*const T], len: usize, comb: impl Fn(T, T) -> T) {
     let mut start = 0;
