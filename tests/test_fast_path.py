@@ -161,3 +161,51 @@ def test_gather_and_scatter_common_cases_skip_staging(worlds, backend, route, wo
         for name in ("ag_overlap", "rs_overlap"):  # full path: the input is copied (staged again)
             assert r[name][0] and r[name][1] >= 3, (name, r)
         assert r["ag_bad"][0] and r["rs_bad_op"][0], r
+
+
+def broadcast_paths():
+    """Each case: (result as expected, number of tensors staged)."""
+    from flagos_shm import staging
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    staged = []
+    real = staging.stage
+    staging.stage = lambda *a, **k: staged.append(a[1]) or real(*a, **k)
+
+    def case(fn):
+        staged.clear()
+        return fn(), len(staged)
+
+    def bcast(root, async_op=False, dtype=torch.int64):
+        t = (torch.arange(9, dtype=dtype) * (root + 3)) if rank == root else torch.full((9,), -1, dtype=dtype)
+        w = dist.broadcast(t, src=root, async_op=async_op)
+        if async_op:
+            w.wait()
+        return t.tolist() == (torch.arange(9, dtype=dtype) * (root + 3)).tolist()
+
+    try:
+        out = {f"root{r}": case(lambda r=r: bcast(r)) for r in range(n)}
+        out["async"] = case(lambda: bcast(n - 1, True))
+        out["half"] = case(lambda: bcast(0, dtype=torch.bfloat16))
+
+        def strided():  # not contiguous: the full path
+            t = torch.zeros(4, 3)
+            if rank == 0:
+                t[:, 1] = torch.arange(4.0)
+            col = t[:, 1]
+            dist.broadcast(col, src=0)
+            return col.tolist() == [0.0, 1.0, 2.0, 3.0]
+        out["strided"] = case(strided)
+        return out
+    finally:
+        staging.stage = real
+
+
+@pytest.mark.parametrize("route", ["auto", "process_group"])
+def test_broadcast_common_case_skips_staging(worlds, backend, route):
+    if backend != "flagos_shm":
+        pytest.skip("flagos_shm's per-call path")
+    for r in worlds(3, FLAGOS_SHM_ROUTE=route).run(broadcast_paths):
+        for name in ("root0", "root1", "root2", "async", "half"):
+            assert r[name] == (True, 0), (name, r)
+        assert r["strided"][0] and r["strided"][1] >= 1, r

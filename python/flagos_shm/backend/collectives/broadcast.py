@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import torch
+from torch._C import _distributed_c10d as c10d
 
 from ... import staging
 from ...work import ShmWork
 from .. import options
-from .base import CollectiveBase
+from .base import SLOW, CollectiveBase, fast_dtype
+
+_BROADCAST_OPTIONS = c10d.BroadcastOptions
+_UNSET_TIMEOUT = options._UNSET_TIMEOUT
 
 
 class OneToAll(CollectiveBase):
@@ -21,6 +25,10 @@ class OneToAll(CollectiveBase):
             opts: ``BroadcastOptions`` (``rootRank``; ``rootTensor`` must be 0), or the root
                 rank (older overload).
         """
+        if timeout is None:
+            done = self._broadcast_fast(tensors, opts)
+            if done is not SLOW:
+                return done
         name = "broadcast"
         with self._validating(name, (tensors,)):
             a = self._args(opts, "root", timeout=timeout)
@@ -29,6 +37,23 @@ class OneToAll(CollectiveBase):
         comm = self._comm
         return self._run(name, [buf.tensor], [buf], [lambda done: comm.broadcast(
             buf.ptr, buf.nbytes, buf.numel, buf.dtype, a.root, a.timeout_s, done)], opts)
+
+    def _broadcast_fast(self, tensors, opts):
+        """The common case of :meth:`broadcast`: a list of one tensor that
+        :func:`~.base.fast_dtype` takes, exact ``BroadcastOptions`` with ``rootTensor`` 0 and
+        a root in the group, no per-call timeout, nothing pending or coalescing, an open
+        group. Returns what :meth:`broadcast` would, or :data:`~.base.SLOW` (nothing done)."""
+        if (type(tensors) is not list or len(tensors) != 1 or type(opts) is not _BROADCAST_OPTIONS
+                or self._pending or self._closed or self._coalesced is not None):
+            return SLOW
+        t = tensors[0]
+        dtype = fast_dtype(t)
+        root = opts.rootRank
+        if dtype is None or opts.rootTensor != 0 or opts.timeout != _UNSET_TIMEOUT or not 0 <= root < self._world_size:
+            return SLOW
+        numel, comm = t.numel(), self._comm
+        return self._fast_call("broadcast", tensors, lambda done: comm.broadcast(
+            t.data_ptr(), numel * t.element_size(), numel, dtype, root, None, done), opts.asyncOp)
 
     def scatter(self, output_tensors, input_tensors, opts=None, timeout=None) -> ShmWork:
         """Copy the root's ``input_tensors[0][r]`` into rank r's ``output_tensors[0]``.
