@@ -26,6 +26,39 @@ OVERHEAD_LAYERS = (
     ("dist.all_reduce(async_op=True).wait()",
      "as dist.all_reduce, through the progress queue (wait() runs the queued call itself)"),
 )
+#: The extra row on torch >= 2.14: torch's own share, with a backend that does nothing.
+NOOP_LAYER = ("dist.all_reduce, no-op backend",
+              "torch.distributed + c10d dispatch only: a Python c10d.Backend whose allreduce returns at once")
+NOOP_BACKEND = "flagos_shm_bench_noop"
+
+
+def _noop_group(ranks):
+    """A group of ``ranks`` whose CPU backend is a Python ``c10d.Backend`` that moves no data
+    (registered once per process as :data:`NOOP_BACKEND`), or None before torch 2.14 (no
+    Python Backend route). Collective over the default group, like ``dist.new_group``."""
+    import torch.distributed as dist
+    from torch._C import _distributed_c10d as c10d
+
+    from .. import _compat
+
+    if not _compat.HAS_PY_BACKEND:
+        return None
+
+    class NoopBackend(c10d.Backend):
+        def getBackendName(self) -> str:
+            return NOOP_BACKEND
+
+        @property
+        def options(self):
+            return c10d.Backend.Options(NOOP_BACKEND)
+
+        def allreduce(self, tensors, opts=None):
+            return None  # "synchronised at C++ level": dist.all_reduce does not wait
+
+    if NOOP_BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(NOOP_BACKEND, lambda o, pg_options=None: NoopBackend(o.group_rank, o.group_size),
+                                      extended_api=True, devices=["cpu"])
+    return dist.new_group(ranks=list(ranks), backend=NOOP_BACKEND)
 
 
 def _waited(work) -> None:
@@ -40,8 +73,10 @@ def measure_overhead(group, ctrl, plan: Plan, rank: int, device) -> dict:
     ``dist.all_reduce``, the process group's own ``allreduce([t], opts).wait()`` and the core
     ``Communicator.allreduce(ptr, 1, "float32", SUM)``, and ``dist.all_reduce(async_op=True)
     .wait()`` (the asynchronous path); with ``--device flagos`` also
-    ``dist.all_reduce`` of a flagos tensor (staging included). Each is checked for the right
-    sum first. Returns a dict (the same on every rank)."""
+    ``dist.all_reduce`` of a flagos tensor (staging included), and on torch >= 2.14
+    ``dist.all_reduce`` on a group whose backend does nothing (torch's own share of the
+    first row). Each is checked for the right sum first (but the no-op one). Returns a dict
+    (the same on every rank)."""
     import torch
     import torch.distributed as dist
 
@@ -68,6 +103,9 @@ def measure_overhead(group, ctrl, plan: Plan, rank: int, device) -> dict:
         (OVERHEAD_LAYERS[3][0], OVERHEAD_LAYERS[3][1],
          lambda: dist.all_reduce(t, group=group, async_op=True).wait(), t),
     ]
+    noop = _noop_group(range(n))
+    if noop is not None:
+        calls.append((*NOOP_LAYER, lambda: dist.all_reduce(t, group=noop), None))
     if device.type != "cpu":
         td = torch.zeros(1, dtype=torch.float32, device=device)
         calls.append((f"dist.all_reduce ({device.type} tensor)",
@@ -77,7 +115,8 @@ def measure_overhead(group, ctrl, plan: Plan, rank: int, device) -> dict:
     for name, layers, fn, buf in calls:
         error = None
         try:  # e.g. the core binding's signature changed: report, do not stop the run
-            buf.fill_(rank + 1)
+            if buf is not None:
+                buf.fill_(rank + 1)
             fn()
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
@@ -85,10 +124,11 @@ def measure_overhead(group, ctrl, plan: Plan, rank: int, device) -> dict:
         if error is not None:
             rows.append({"call": name, "layers": layers, "skipped": error})
             continue
-        got = buf.cpu().item()
-        if got != n * (n + 1) / 2:
-            raise WrongResult(f"overhead check: {name} returned {got}, expected {n * (n + 1) / 2}")
-        buf.zero_()
+        if buf is not None:  # None: the no-op backend, which moves no data
+            got = buf.cpu().item()
+            if got != n * (n + 1) / 2:
+                raise WrongResult(f"overhead check: {name} returned {got}, expected {n * (n + 1) / 2}")
+            buf.zero_()
         stats = summarize(_timed_loop(fn, warmup, iters, ctrl, n))
         rows.append({"call": name, "layers": layers, **stats})
     out = {"size_bytes": 4, "dtype": "float32", "op": "allreduce SUM", "warmup": warmup,
@@ -99,4 +139,9 @@ def measure_overhead(group, ctrl, plan: Plan, rank: int, device) -> dict:
             "torch.distributed + c10d": med[0] - med[1],
             "flagos_shm Python (adapter)": med[1] - med[2],
             "core (binding + collective)": med[2]}
+    floor = next((r for r in rows if r["call"] == NOOP_LAYER[0] and "time_us_median" in r), None)
+    if floor is not None:  # the part of "torch.distributed + c10d" that any Python backend pays
+        out["torch_floor_us_median"] = floor["time_us_median"]
+    if noop is not None:
+        dist.destroy_process_group(noop)
     return out

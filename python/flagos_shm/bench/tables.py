@@ -93,6 +93,9 @@ def format_tables(doc: dict) -> str:
         if "breakdown_us_median" in ov:
             parts = ", ".join(f"{k} {v:.2f} us" for k, v in ov["breakdown_us_median"].items())
             lines.append(f"  => per call: {parts}")
+        if "torch_floor_us_median" in ov:
+            lines.append(f"  => torch's floor (dist.all_reduce on a Python backend that does nothing): "
+                         f"{ov['torch_floor_us_median']:.2f} us")
     elif ov:
         lines.append(f"\nflagos_shm per-call overhead: skipped ({ov.get('skipped')})")
     for s in doc.get("skipped", []):
