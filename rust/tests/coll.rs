@@ -376,3 +376,28 @@ fn own_pieces_read_in_place_give_exact_results_and_overlaps_are_refused() {
         }
     }
 }
+
+#[test]
+fn two_step_allreduce_over_many_sub_blocks_and_odd_tails_is_exact() {
+    // 256 KiB slots: each rank's slice of a chunk spans several of the 16 KiB blocks the
+    // two-step allreduce reduces and copies out at a time, with a partial last block.
+    const SLOT256K: usize = 256 * 1024;
+    for n in [2usize, 3, 4] {
+        with_group(n, SLOT256K, move |me, c| {
+            for len in [100_003usize, 32_768 * 3 + 5] {
+                let mut v: Vec<i64> = (0..len).map(|i| (me * 7_000_003 + i * 3) as i64).collect();
+                c.allreduce(Buf::from_elems_mut(&mut v), len, DType::I64, ReduceOp::Sum, 1.0).unwrap();
+                for (i, x) in v.iter().enumerate() {
+                    let want: i64 = (0..n).map(|r| (r * 7_000_003 + i * 3) as i64).sum();
+                    assert_eq!(*x, want, "n={n} rank {me} len {len} element {i}");
+                }
+                let mut f: Vec<f32> = (0..len).map(|i| ((me + i) % 1024) as f32).collect();
+                c.allreduce(Buf::from_elems_mut(&mut f), len, DType::F32, ReduceOp::Max, 1.0).unwrap();
+                for (i, x) in f.iter().enumerate() {
+                    let want = (0..n).map(|r| ((r + i) % 1024) as f32).fold(f32::MIN, f32::max);
+                    assert_eq!(*x, want, "max: n={n} rank {me} len {len} element {i}");
+                }
+            }
+        });
+    }
+}
