@@ -1,16 +1,37 @@
-"""The per-call fast paths of ``allreduce``, ``all_gather_into_tensor`` and
-``reduce_scatter_tensor`` (``_allreduce_fast``, ``_all_gather_single_fast``,
-``_reduce_scatter_single_fast``): the common case (contiguous CPU tensors, default options)
+"""The per-call fast paths of ``allreduce``, ``all_gather_into_tensor``,
+``reduce_scatter_tensor`` and ``broadcast`` (``_allreduce_fast``, ``_all_gather_single_fast``,
+``_reduce_scatter_single_fast``, ``_broadcast_fast``): the common case (contiguous CPU tensors, default options)
 skips staging, and every other case still takes the full path with all its checks, on both
 c10d routes."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
 pytestmark = pytest.mark.timeout(120)
+
+
+@contextlib.contextmanager
+def staging_counted():
+    """Within: ``count(fn)`` runs ``fn`` and returns ``(its result, how many tensors it
+    staged)`` (``staging.stage`` calls; the fast paths make none)."""
+    from flagos_shm import staging
+
+    staged = []
+    real = staging.stage
+    staging.stage = lambda *a, **k: staged.append(a[1]) or real(*a, **k)
+
+    def count(fn):
+        staged.clear()
+        return fn(), len(staged)
+    try:
+        yield count
+    finally:
+        staging.stage = real
 
 
 def fast_and_full_paths():
@@ -68,18 +89,8 @@ def test_common_case_skips_staging_and_other_cases_keep_their_checks(worlds, bac
 
 def gather_and_scatter_paths():
     """Each case: (result as expected, number of tensors staged)."""
-    from flagos_shm import staging
-
     rank, n = dist.get_rank(), dist.get_world_size()
-    staged = []
-    real = staging.stage
-    staging.stage = lambda *a, **k: staged.append(a[1]) or real(*a, **k)
-
-    def case(fn):
-        staged.clear()
-        return fn(), len(staged)
-
-    try:
+    with staging_counted() as case:
         out = {}
         k = 5
         rows = [torch.arange(k, dtype=torch.float64) + 10 * r for r in range(n)]  # rank r's input
@@ -146,8 +157,6 @@ def gather_and_scatter_paths():
             return False
         out["rs_bad_op"] = case(rs_bad_op)
         return out
-    finally:
-        staging.stage = real
 
 
 @pytest.mark.parametrize("route", ["auto", "process_group"])
@@ -165,16 +174,7 @@ def test_gather_and_scatter_common_cases_skip_staging(worlds, backend, route, wo
 
 def broadcast_paths():
     """Each case: (result as expected, number of tensors staged)."""
-    from flagos_shm import staging
-
     rank, n = dist.get_rank(), dist.get_world_size()
-    staged = []
-    real = staging.stage
-    staging.stage = lambda *a, **k: staged.append(a[1]) or real(*a, **k)
-
-    def case(fn):
-        staged.clear()
-        return fn(), len(staged)
 
     def bcast(root, async_op=False, dtype=torch.int64):
         t = (torch.arange(9, dtype=dtype) * (root + 3)) if rank == root else torch.full((9,), -1, dtype=dtype)
@@ -183,7 +183,7 @@ def broadcast_paths():
             w.wait()
         return t.tolist() == (torch.arange(9, dtype=dtype) * (root + 3)).tolist()
 
-    try:
+    with staging_counted() as case:
         out = {f"root{r}": case(lambda r=r: bcast(r)) for r in range(n)}
         out["async"] = case(lambda: bcast(n - 1, True))
         out["half"] = case(lambda: bcast(0, dtype=torch.bfloat16))
@@ -197,8 +197,6 @@ def broadcast_paths():
             return col.tolist() == [0.0, 1.0, 2.0, 3.0]
         out["strided"] = case(strided)
         return out
-    finally:
-        staging.stage = real
 
 
 @pytest.mark.parametrize("route", ["auto", "process_group"])

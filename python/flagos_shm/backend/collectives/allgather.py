@@ -8,11 +8,10 @@ from torch._C import _distributed_c10d as c10d
 from ... import _core, staging
 from ...work import ShmWork
 from .. import options
-from .base import SLOW, CollectiveBase, fast_dtype
+from .base import SLOW, CollectiveBase
 
 _ALLGATHER_OPTIONS = c10d.AllgatherOptions
 _CORE_COMM = _core.Communicator
-_UNSET_TIMEOUT = options._UNSET_TIMEOUT
 
 
 class Gathering(CollectiveBase):
@@ -73,16 +72,10 @@ class Gathering(CollectiveBase):
         :meth:`~.base.CollectiveBase._stage_pair` allows); exact ``AllgatherOptions``, no
         per-call timeout, nothing pending or coalescing, an open group. Returns what
         :meth:`all_gather_single` would, or :data:`~.base.SLOW` (nothing done)."""
-        if (type(opts) is not _ALLGATHER_OPTIONS or self._pending or self._closed
-                or self._coalesced is not None):
+        dtype = self._fast_pair(opts, _ALLGATHER_OPTIONS, input, output)
+        if dtype is None:
             return SLOW
-        dtype = fast_dtype(input)
-        if dtype is None or fast_dtype(output) is None or input.dtype != output.dtype or opts.timeout != _UNSET_TIMEOUT:
-            return SLOW
-        numel = input.numel()
-        if numel == 0 or output.numel() != self._world_size * numel:
-            return SLOW
-        es = input.element_size()
+        numel, es = input.numel(), input.element_size()
         in_ptr, out_ptr, in_bytes, out_bytes = input.data_ptr(), output.data_ptr(), numel * es, output.numel() * es
         if (in_ptr < out_ptr + out_bytes and out_ptr < in_ptr + in_bytes
                 and not (in_ptr == out_ptr + self._rank * in_bytes and type(self._comm) is _CORE_COMM)):

@@ -41,6 +41,7 @@ __all__ = ["CollectiveBase", "SLOW"]
 SLOW = object()
 _CORE_DTYPES = staging.CORE_DTYPES  # real dtypes only: complex tensors take the full path
 _STRIDED = torch.strided
+_UNSET_TIMEOUT = options._UNSET_TIMEOUT
 
 
 def fast_dtype(t) -> Optional[str]:
@@ -286,6 +287,20 @@ class CollectiveBase:
         if self._coalesced is not None:
             self._coalesced.append(work)
         return work
+
+    def _fast_pair(self, opts, opts_type, small, big) -> Optional[str]:
+        """The checks the two-tensor fast paths share (allgather: ``small`` the input,
+        ``big`` the output; reduce-scatter the other way round): ``opts`` exactly of
+        ``opts_type`` without a per-call timeout, nothing pending or coalescing, an open
+        group, both tensors taken by :func:`fast_dtype`, of one dtype, ``small`` not empty
+        and ``big`` exactly ``world_size`` times it. Returns the core dtype, or None."""
+        if type(opts) is not opts_type or self._pending or self._closed or self._coalesced is not None:
+            return None
+        dtype = fast_dtype(small)
+        if (dtype is None or fast_dtype(big) is None or big.dtype != small.dtype or opts.timeout != _UNSET_TIMEOUT
+                or small.numel() == 0 or big.numel() != self._world_size * small.numel()):
+            return None
+        return dtype
 
     def _fast_call(self, name: str, outputs: list, issue: Callable, async_op, inputs=()) -> Optional[ShmWork]:
         """The tail every fast path shares: one core call on the caller's own memory (no

@@ -151,15 +151,10 @@ class Reduction(CollectiveBase):
         ``ReduceScatterOptions`` with an op already accepted for that dtype (not
         PREMUL_SUM), no per-call timeout, nothing pending or coalescing, an open group.
         Returns what :meth:`reduce_scatter_single` would, or :data:`~.base.SLOW`."""
-        if (type(opts) is not _REDUCE_SCATTER_OPTIONS or self._pending or self._closed
-                or self._coalesced is not None):
-            return SLOW
-        dtype = fast_dtype(output)
-        if dtype is None or fast_dtype(input) is None or input.dtype != output.dtype or opts.timeout != _UNSET_TIMEOUT:
+        dtype = self._fast_pair(opts, _REDUCE_SCATTER_OPTIONS, output, input)
+        if dtype is None:
             return SLOW
         numel = output.numel()
-        if numel == 0 or input.numel() != self._world_size * numel:
-            return SLOW
         op, _ = options.reduce_op(opts.reduceOp)
         if op == options.PREMUL_SUM or (op, output.dtype) not in options._VALID_OP_DTYPES:
             return SLOW
