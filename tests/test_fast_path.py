@@ -207,3 +207,36 @@ def test_broadcast_common_case_skips_staging(worlds, backend, route):
         for name in ("root0", "root1", "root2", "async", "half"):
             assert r[name] == (True, 0), (name, r)
         assert r["strided"][0] and r["strided"][1] >= 1, r
+
+
+def async_off_calls():
+    """With FLAGOS_SHM_ASYNC=0 every call runs inline; one that asked for async_op=True must
+    still return a work (None crashed DDP's C++ parameter check, which waits on it)."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    want = float(n * (n + 1) // 2)
+    out = {}
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t.clone())  # the first (op, dtype) pair: full path
+    w = dist.all_reduce(t, async_op=True)  # fast path
+    out["fast"] = (w is not None and w.wait() is True, t.tolist() == [want] * 4)
+    s = torch.full((8,), float(rank + 1))[::2]
+    w = dist.all_reduce(s, async_op=True)  # strided: full path
+    out["full"] = (w is not None and w.wait() is True, s.tolist() == [want] * 4)
+    o = torch.zeros(2 * n)
+    w = dist.all_gather_into_tensor(o, torch.full((2,), float(rank)), async_op=True)
+    out["ag"] = (w is not None and w.wait() is True, o.tolist() == [float(r) for r in range(n) for _ in range(2)])
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(3, 2))  # waits on its broadcasts
+    model(torch.ones(5, 3) * (rank + 1)).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    for g in grads:
+        dist.all_reduce(g, op=dist.ReduceOp.MAX)
+    out["ddp"] = all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))  # same on every rank
+    return out
+
+
+@pytest.mark.parametrize("route", ["auto", "process_group"])
+def test_async_op_with_async_off_still_returns_a_work(worlds, backend, route):
+    if backend != "flagos_shm":
+        pytest.skip("flagos_shm's FLAGOS_SHM_ASYNC")
+    for r in worlds(2, FLAGOS_SHM_ROUTE=route, FLAGOS_SHM_ASYNC="0").run(async_off_calls):
+        assert r == {"fast": (True, True), "full": (True, True), "ag": (True, True), "ddp": True}, r

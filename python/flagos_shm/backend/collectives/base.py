@@ -121,10 +121,12 @@ class CollectiveBase:
     its own: the adapters mix it into ``dist.ProcessGroup`` or ``c10d.Backend``."""
 
     _coalesced: Optional[list] = None  # the works issued since start_coalescing (Backend route)
-    #: A synchronous call that succeeded returns ``None`` (c10d's "the backend synchronised
-    #: at C++ level": ``dist.*`` then skips ``wait()``) and one that failed raises at once,
-    #: instead of returning a completed work. The per-device adapter sets this: on that
-    #: route a work costs a C++ holder and a trampoline call to ``wait()``.
+    #: A synchronous call (``asyncOp`` False) that succeeded returns ``None`` (c10d's "the
+    #: backend synchronised at C++ level": ``dist.*`` then skips ``wait()``) and one that
+    #: failed raises at once, instead of returning a completed work. The per-device adapter
+    #: sets this: on that route a work costs a C++ holder and a trampoline call to
+    #: ``wait()``. A call that asked for ``async_op=True`` always gets a work, also when it
+    #: ran inline (``FLAGOS_SHM_ASYNC=0``).
     _sync_returns_none = False
 
     # ---- set-up and lifetime ----------------------------------------------------------
@@ -279,7 +281,10 @@ class CollectiveBase:
             work = self._run_async(name, outputs, buffers, calls, after)
         else:
             error = self._run_inline(name, buffers, calls, after)
-            if self._sync_returns_none:
+            # A caller that asked for async_op=True (run inline: FLAGOS_SHM_ASYNC=0, or a
+            # call that cannot queue) still gets a work to wait on; None would crash C++
+            # callers that wait on it (DDP's reducer and parameter check).
+            if self._sync_returns_none and getattr(opts, "asyncOp", False) is not True:
                 if error is not None:
                     raise error
                 return None
@@ -343,7 +348,7 @@ class CollectiveBase:
                 issue(None)
         except Exception as exc:
             error = self._error(name, exc)
-        if self._sync_returns_none:
+        if self._sync_returns_none and async_op is not True:  # as in _run
             if error is not None:
                 raise error
             return None
