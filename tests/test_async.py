@@ -81,6 +81,35 @@ def rank_issue_order() -> list:
     return results
 
 
+def rank_staged_after_in_place() -> dict:
+    """An async call that writes its output in place (a contiguous CPU tensor: nothing to
+    write back), then a call whose full path stages a copy of that memory (a strided view):
+    the copy must see the first call's result. Rank 1 joins each async call 50 ms late, so
+    on rank 0 it is still running when the second call stages."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    out = {}
+
+    def late():
+        if rank == 1:
+            time.sleep(0.05)
+
+    t = torch.ones(1000)
+    late()
+    w = dist.all_reduce(t, async_op=True)  # the fast path
+    dist.all_reduce(t[::2])  # strided: staged
+    w.wait()
+    out["allreduce"] = t[:4].tolist()
+    k = 500
+    o = torch.zeros(n * k)
+    late()
+    w = dist.all_gather_into_tensor(o, torch.full((k,), rank + 1.0), async_op=True)
+    w2 = dist.all_reduce(o[::2], async_op=True)  # strided, async: staged as well
+    w2.wait()
+    w.wait()
+    out["allgather"] = [o[0].item(), o[1].item(), o[k].item(), o[k + 1].item()]
+    return out
+
+
 def rank_async_mismatch() -> dict:
     """Rank 0 and rank 1 disagree on the element count of an async allreduce."""
     rank = dist.get_rank()
@@ -292,6 +321,15 @@ def test_async_and_inline_calls_keep_issue_order(worlds, world_size):
         full = [sum((q + 1) * k for q in range(n)) for k in range(2 * n)]
         assert res[8] == [float(v) for v in full[2 * rank:2 * rank + 2]]
         assert res[9] == [[q] * 4 for q in range(n)]
+
+
+@pytest.mark.parametrize("route", ["auto", "process_group"])
+def test_staged_call_waits_for_an_earlier_in_place_async_call(worlds, route):
+    n = 2
+    for r in worlds(n, FLAGOS_SHM_ROUTE=route).run(rank_staged_after_in_place):
+        assert r["allreduce"] == [n * n, n, n * n, n], r  # both sums, the second over the first
+        # rank q's piece of the gather is q + 1; the strided allreduce doubles every other one
+        assert r["allgather"] == [n * 1.0, 1.0, n * 2.0, 2.0], r
 
 
 def test_async_mismatch_reaches_wait_and_future(worlds):

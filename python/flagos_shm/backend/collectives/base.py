@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -160,6 +161,10 @@ class CollectiveBase:
         self._closed = False
         self._async = config.async_enabled()
         self._pending: list = []  # (work, extents) of async works that write outputs back later
+        # (work, output tensors) of async works that write their outputs in place, in issue
+        # order: the core orders later core calls after them, but a full-path call copies
+        # (stages) its tensors before its own core call, so it must wait for those first.
+        self._inflight: collections.deque = collections.deque()
         self._pid = os.getpid()
         timeout_s = options.timeout_seconds(timeout) or default_pg_timeout.total_seconds()
         self._timeout_s = timeout_s
@@ -233,26 +238,47 @@ class CollectiveBase:
         """
         if self._closed:
             raise RuntimeError(f"flagos_shm {name}: process group {self._group_name!r} has been shut down")
-        if self._pending:
+        if self._pending or self._inflight:
             self._order_after(tensors)
         return _Validation(self._comm, name)
 
     def _order_after(self, tensors) -> None:
-        """Wait for each earlier async work whose pending write-back overlaps ``tensors``."""
+        """Wait for each earlier async work whose pending write-back, or in-place write,
+        overlaps ``tensors``."""
         self._pending = [(w, e) for w, e in self._pending if not w.is_completed()]
-        if not self._pending:
+        self._prune_inflight()
+        if not self._pending and not self._inflight:
             return
         mine = _extents(_tensors(tensors, []))
+        # Works of a group complete in issue order: waiting for the last overlapping one
+        # covers the earlier ones. Its error is its own; this call goes on.
         last = None
         for i, (work, spans) in enumerate(self._pending):
             if _overlap(mine, spans):
                 last = i
         if last is not None:
-            # Works of a group complete in issue order: waiting for the last overlapping one
-            # covers the earlier ones. Its error is its own; this call goes on.
             with contextlib.suppress(Exception):
                 self._pending[last][0].wait()
             del self._pending[: last + 1]
+        last = None
+        for i, (work, outs) in enumerate(self._inflight):
+            if _overlap(mine, _extents(outs)):
+                last = i
+        if last is not None:
+            with contextlib.suppress(Exception):
+                self._inflight[last][0].wait()
+            for _ in range(last + 1):
+                self._inflight.popleft()
+
+    def _prune_inflight(self) -> None:
+        """Forget the finished works at the front of ``_inflight`` (they finish in order)."""
+        while self._inflight and self._inflight[0][0].is_completed():
+            self._inflight.popleft()
+
+    def _track_inflight(self, work: ShmWork, outputs: list) -> None:
+        """Remember a queued work that writes ``outputs`` in place (see ``_inflight``)."""
+        self._prune_inflight()
+        self._inflight.append((work, outputs))
 
     def _args(self, opts, loose: Optional[str] = None, *, op=None, root=None, timeout=None) -> options.Args:
         return options.parse(opts, self._world_size, loose, op=op, root=root, timeout=timeout)
@@ -339,6 +365,7 @@ class CollectiveBase:
                     ticket = issue(done)
             except Exception as exc:  # not queued: the callback never runs
                 work._complete(self._error(name, exc))
+            self._track_inflight(work, outputs)
             return work
         error = None
         try:
@@ -416,6 +443,8 @@ class CollectiveBase:
             return work
         if after is not None or any(b._write_back for b in buffers):
             self._pending.append((work, _extents(_tensors(outputs, []))))
+        else:
+            self._track_inflight(work, _tensors(outputs, []))
         with self._lock:
             for i, call in enumerate(calls):
                 try:

@@ -299,7 +299,7 @@ class PointToPoint(CollectiveBase):
                 raise ValueError(f"{arg}: expected a group rank in [0, {self._world_size}), got {peer!r}")
             if peer == self._rank:
                 raise ValueError(f"{arg}: rank {peer} is this rank; flagos_shm does not send to itself")
-        if self._pending:
+        if self._pending or self._inflight:
             self._order_after([tensor])
         return tensor
 
