@@ -289,8 +289,8 @@ impl Elem for Bool8 {
 ///
 /// # Safety
 /// `dst` must be valid for `len` writes and each `srcs[r]` for `len` reads of `T`, all
-/// aligned for `T`; `dst` may equal `srcs[0]` but must not otherwise overlap a source
-/// at a different offset.
+/// aligned for `T`; `dst` may equal any source exactly (each block of every source is
+/// read before that block of `dst` is written) but must not otherwise overlap a source.
 #[inline(always)]
 unsafe fn reduce_with<T: Elem>(
     dst: *mut T,
@@ -408,13 +408,16 @@ macro_rules! float_reduce {
         let n = $red.world as $acc;
         let f = $red.factor as $acc;
         let id = |a: $acc| a;
+        // `reduce_direct` may write over srcs[0] or srcs[1] only (its doc): a `dst` that is
+        // a later source takes the blocked path, which gives the same bits.
+        let direct = $direct && !srcs.iter().skip(2).any(|s| std::ptr::eq(*s, dst));
         // SAFETY: the pointer contract of `reduce_generic`, forwarded.
         unsafe {
             match $red.op {
-                ReduceOp::Sum if $direct => reduce_direct::<$t>(dst, &srcs, $len, |a: $t, b: $t| a + b),
-                ReduceOp::Product if $direct => reduce_direct::<$t>(dst, &srcs, $len, |a: $t, b: $t| a * b),
-                ReduceOp::Min if $direct => reduce_direct::<$t>(dst, &srcs, $len, fmin::<$t>),
-                ReduceOp::Max if $direct => reduce_direct::<$t>(dst, &srcs, $len, fmax::<$t>),
+                ReduceOp::Sum if direct => reduce_direct::<$t>(dst, &srcs, $len, |a: $t, b: $t| a + b),
+                ReduceOp::Product if direct => reduce_direct::<$t>(dst, &srcs, $len, |a: $t, b: $t| a * b),
+                ReduceOp::Min if direct => reduce_direct::<$t>(dst, &srcs, $len, fmin::<$t>),
+                ReduceOp::Max if direct => reduce_direct::<$t>(dst, &srcs, $len, fmax::<$t>),
                 ReduceOp::Sum => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a + b, id),
                 ReduceOp::Avg => reduce_with::<$t>(dst, &srcs, $len, id, |a, b| a + b, |a| a / n),
                 ReduceOp::PremulSum => reduce_with::<$t>(dst, &srcs, $len, |a| a * f, |a, b| a + b, id),
@@ -456,7 +459,8 @@ macro_rules! int_reduce {
 /// # Safety
 /// `dst` must be valid for writes of `len` elements and every source for reads of `len`
 /// elements, all aligned to the element size; `dst` must not overlap a source except by
-/// being equal to `srcs[0]`. `srcs` must not be empty.
+/// being equal to one of them (any one: the one-shot allreduce reduces into the caller's
+/// buffer, which is this rank's source). `srcs` must not be empty.
 pub unsafe fn reduce_raw(red: &Reduction, dst: *mut u8, srcs: &[*const u8], len: usize) {
     debug_assert!(!srcs.is_empty());
     if len == 0 {

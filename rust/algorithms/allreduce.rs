@@ -58,9 +58,16 @@ impl Communicator {
                 *s = at(self, r);
             }
             if !two_step {
-                // SAFETY: every slot holds `len` elements of step p (published by the
-                // sync above); the output range is inside the caller's buffer.
-                unsafe { reduce_raw(&red, buf.add(off * es), &srcs, len) };
+                // Our own contribution is read where it lies, in the caller's buffer (which
+                // is also the destination: allowed, as one source exactly), not from our
+                // slot while the peers read it there.
+                // SAFETY: every peer slot holds `len` elements of step p (published by the
+                // sync above); the range [off, off + len) is inside the caller's buffer.
+                let own = unsafe { buf.add(off * es) };
+                srcs[self.rank] = own;
+                // SAFETY: as above; `own` is the destination itself, which `reduce_raw`
+                // allows.
+                unsafe { reduce_raw(&red, own, &srcs, len) };
                 continue;
             }
             let reduced = self.slot(self.rank, 1 - p);

@@ -24,7 +24,8 @@
 //! machine by the c10d backend; [`Plan::FALLBACK`] until one is set).
 //!
 //! - allreduce, S <= the plan's `one_shot_max` (or n = 1): one step per chunk: every rank copies its
-//!   chunk into its slot, then reduces all n slots in rank order into its output. A chunk
+//!   chunk into its slot, then reduces the n - 1 peer slots and its own buffer, in rank
+//!   order, into its output (the buffer itself). A chunk
 //!   of at most half a slot goes to the call's place in the slot
 //!   (`Communicator::rotation`: up to 16 places, by sequence number), so back-to-back
 //!   small allreduces do not rewrite the lines the peers have just read.
@@ -39,7 +40,8 @@
 //! - allgather / gather: every rank copies its chunk in; all ranks (gather: the root) copy
 //!   all n chunks out. broadcast: the root copies in, the others copy out. Small chunks
 //!   take the call's place in the slot, as in the one-shot allreduce.
-//! - reduce: as the one-shot allreduce, only the root reduces.
+//! - reduce: as the one-shot allreduce, only the root reduces (its own data is read from
+//!   its buffer and never copied into its slot).
 //! - reduce-scatter / alltoall: each rank copies the chunk of each of its peers' n - 1
 //!   pieces in; rank r reduces (alltoall: copies) piece r from every peer's slot and, in
 //!   rank order, its own input (which never goes through a slot). scatter: the root copies

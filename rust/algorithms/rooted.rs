@@ -1,5 +1,6 @@
 //! Broadcast and reduce through the slots: the root copies in and the others copy out
-//! (broadcast), or every rank copies in and the root reduces (reduce), one chunk per step.
+//! (broadcast), or every rank but the root copies in and the root reduces them with its
+//! own buffer (reduce), one chunk per step.
 
 use super::chunks;
 use crate::desc::{Kind, Transfer};
@@ -60,15 +61,22 @@ impl Communicator {
         d.route(Transfer::Slots, per * es);
         for ch in chunks(count, per) {
             let p = self.next_parity();
-            // SAFETY: range inside the caller's buffer; len * es <= slot_bytes, so the
-            // destination lies in our slot at the call's place.
-            unsafe { copy_nonoverlapping(buf.add(ch.off * es), self.slot_at(self.rank, p, ch.len * es), ch.len * es) };
+            // SAFETY: range inside the caller's buffer.
+            let own = unsafe { buf.add(ch.off * es) };
+            if self.rank != root {
+                // Only the root reads the slots; its own data stays in its buffer.
+                // SAFETY: len * es <= slot_bytes, so the destination lies in our slot at
+                // the call's place; the source is `own`, inside the caller's buffer.
+                unsafe { copy_nonoverlapping(own, self.slot_at(self.rank, p, ch.len * es), ch.len * es) };
+            }
             self.sync(ch.first().then_some(&d))?;
             if self.rank == root {
-                let srcs: Vec<*const u8> = (0..self.n).map(|r| self.slot_at(r, p, ch.len * es) as *const u8).collect();
-                // SAFETY: every slot of step p holds `len` elements (published by the sync
-                // above); the output range is inside the root's buffer.
-                unsafe { reduce_raw(&red, buf.add(ch.off * es), &srcs, ch.len) };
+                let srcs: Vec<*const u8> =
+                    (0..self.n).map(|r| if r == root { own as *const u8 } else { self.slot_at(r, p, ch.len * es) as *const u8 }).collect();
+                // SAFETY: every peer slot of step p holds `len` elements (published by the
+                // sync above); our own source is the output range itself, inside the root's
+                // buffer, which `reduce_raw` allows (one source equal to the destination).
+                unsafe { reduce_raw(&red, own, &srcs, ch.len) };
             }
         }
         Ok(())
