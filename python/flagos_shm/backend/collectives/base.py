@@ -37,8 +37,8 @@ _log = logging.getLogger("flagos_shm")
 __all__ = ["CollectiveBase", "SLOW"]
 
 #: Returned by a collective's fast path (``_allreduce_fast``, ``_all_gather_single_fast``,
-#: ``_reduce_scatter_single_fast``) when the call is not its common case: nothing was done,
-#: and the full path (all checks, staging) runs instead.
+#: ``_reduce_scatter_single_fast``, ``_broadcast_fast``) when the call is not its common
+#: case: nothing was done, and the full path (all checks, staging) runs instead.
 SLOW = object()
 _CORE_DTYPES = staging.CORE_DTYPES  # real dtypes only: complex tensors take the full path
 _STRIDED = torch.strided
@@ -337,7 +337,8 @@ class CollectiveBase:
         """The tail every fast path shares: one core call on the caller's own memory (no
         staging, no write-back), run inline, or queued on the progress thread when
         ``async_op`` is True (and async is on). What :meth:`_run` does for such a call,
-        without what it does not need (staging, write-back, ordering later calls after it).
+        without what it does not need (staging, write-back); a queued call is recorded in
+        ``_inflight``, so that later calls that stage overlapping memory wait for it.
 
         Args:
             outputs: the caller's tensors: the work's result; the work (and so the queued
