@@ -35,7 +35,7 @@ impl Communicator {
             let (off, len) = (ch.off, ch.len);
             let p = self.next_parity();
             // Our own piece never goes through the slot: the peers do not read it, and we
-            // read it where it lies (item 2 of the design: no copy-in of data read in place).
+            // read it where it lies (docs/design.md, "A rank's own data stays where it lies").
             for q in (0..self.n).filter(|&q| q != self.rank) {
                 // SAFETY: n * len * es <= slot_bytes; source inside `input`.
                 unsafe { copy_nonoverlapping(input.add((q * count + off) * es), self.slot(self.rank, p).add(q * len * es), len * es) };
