@@ -181,6 +181,8 @@ def test_json_schema_and_values(run):
         mpi = {(r["op"], r["dtype"]) for r in doc["results"] if r["backend"] == "mpi"}
         assert mpi == {(op, "float32") for op in OPS}  # bfloat16 has no MPI datatype
         assert any(s["backend"] == "mpi" and s["dtype"] == "bfloat16" for s in doc["skipped"])
+        pages = "huge pages" if doc["mpi"]["hugepages"] else "4 KiB pages"
+        assert {r["device"] for r in doc["results"] if r["backend"] == "mpi"} == {f"cpu (numpy, {pages})"}
     else:
         assert doc["mpi"]["status"] == "skipped" and doc["mpi"]["reason"]
         assert "note: MPI skipped: " in stdout
@@ -247,3 +249,47 @@ def test_cross_process_copy_with_ranks_that_do_not_take_part(tmp_path):
     with open(out) as fh:
         doc = json.load(fh)
     assert [c["size_bytes"] for c in doc["xcopy_baseline"]] == [4, 4096]
+
+
+def _anon_huge_kib(ptr: int, nbytes: int) -> int:
+    """AnonHugePages (KiB) of the mappings that overlap ``[ptr, ptr + nbytes)``, read with a
+    regex (the reference for :func:`flagos_shm.bench.machine.torch_cpu_hugepages`'s parser)."""
+    with open("/proc/self/smaps") as fh:
+        text = fh.read()
+    total = 0
+    for m in re.finditer(r"^([0-9a-f]+)-([0-9a-f]+) .*?$(.*?)(?=^[0-9a-f]+-[0-9a-f]+ |\Z)", text, re.M | re.S):
+        if int(m.group(1), 16) < ptr + nbytes and ptr < int(m.group(2), 16):
+            total += int(re.search(r"^AnonHugePages:\s+(\d+) kB", m.group(3), re.M).group(1))
+    return total
+
+
+_THP = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+@pytest.mark.skipif(not os.path.exists(_THP), reason="no transparent huge pages on this kernel")
+def test_mpi_buffers_get_the_pages_torch_tensors_get():
+    """The MPI comparison's numpy buffers sit on the kind of pages torch's tensors get. Under
+    the kernel's ``madvise`` policy torch (without THP_MEM_ALLOC_ENABLE) gets none, and
+    numpy, which advises huge pages by default, must then get none either."""
+    import numpy as np
+    import torch
+
+    from flagos_shm.bench import mpi_rank
+    from flagos_shm.bench.machine import HUGEPAGE_PROBE_BYTES, torch_cpu_hugepages
+
+    with open(_THP) as fh:
+        policy = re.search(r"\[(\w+)\]", fh.read()).group(1)
+    probe = torch.ones(HUGEPAGE_PROBE_BYTES, dtype=torch.uint8)
+    torch_huge = _anon_huge_kib(probe.data_ptr(), probe.numel()) > 0
+    if policy == "never":
+        assert not torch_huge
+    assert torch_cpu_hugepages() == torch_huge or policy == "always"  # "always": may vary per fault
+    if policy != "madvise" or os.environ.get("THP_MEM_ALLOC_ENABLE"):
+        pytest.skip(f"THP policy {policy!r}: the 4 KiB case needs 'madvise' and no THP_MEM_ALLOC_ENABLE")
+    assert not torch_cpu_hugepages()
+    try:
+        mpi_rank._match_torch_pages(False)
+        arr = np.ones(8 << 20, np.uint8)
+        assert _anon_huge_kib(arr.ctypes.data, arr.nbytes) == 0
+    finally:
+        mpi_rank._match_torch_pages(True)  # numpy's default again, for other tests

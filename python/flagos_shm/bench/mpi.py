@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 
 from .. import _launch
 from .common import MPI_DTYPES
+from .machine import torch_cpu_hugepages
 from .plan import Plan
 from .progress import Progress
 
@@ -40,7 +41,9 @@ def run_mpi(plan: Plan, cpus: Optional[List[int]], timeout_s: float,
     """Run the plan's MPI part as ``mpirun -n N python .../flagos_shm/bench/mpi_rank.py``.
 
     Returns ``(records, skipped, info)``; ``info`` has ``status`` ("ran", "skipped" or
-    "failed"), ``reason``, ``command`` and ``library``. Never raises for MPI problems: a
+    "failed"), ``reason``, ``command``, ``library`` and ``hugepages`` (whether the MPI
+    ranks' buffers, like torch's tensors here, sit on transparent huge pages:
+    :func:`.machine.torch_cpu_hugepages`). Never raises for MPI problems: a
     failed MPI run is reported, the torch results stand.
     """
     exe, reason = mpi_launcher()
@@ -58,6 +61,7 @@ def run_mpi(plan: Plan, cpus: Optional[List[int]], timeout_s: float,
         return [], skipped, {"status": "failed", "reason": f"{exe} --version: {exc}"}
     openmpi = "open mpi" in version.lower() or "open-mpi" in version.lower()
     cmd = [exe, "-n", str(plan.world_size)]
+    hugepages = torch_cpu_hugepages()
     if openmpi:  # may run more ranks than cores; our own pinning (--bind) instead of mpirun's
         cmd += ["--oversubscribe", "--bind-to", "none"]
     env = dict(os.environ)
@@ -72,9 +76,11 @@ def run_mpi(plan: Plan, cpus: Optional[List[int]], timeout_s: float,
         with open(plan_path, "w") as fh:
             json.dump({"ops": plan.ops, "sizes": plan.sizes, "dtypes": dtypes,
                        "iters": plan.iters, "warmup": plan.warmup, "bind": plan.bind,
-                       "cpus": cpus, "world_size": plan.world_size}, fh)
+                       "cpus": cpus, "world_size": plan.world_size,
+                       "hugepages": hugepages}, fh)
         cmd += [sys.executable, MPI_SCRIPT, plan_path, out_path]
-        info = {"command": shlex.join(cmd), "library": version.strip().splitlines()[0] if version.strip() else exe}
+        info = {"command": shlex.join(cmd), "library": version.strip().splitlines()[0] if version.strip() else exe,
+                "hugepages": hugepages}
         progress.note(f"MPI: running {info['command']}")
 
         libc = None

@@ -125,8 +125,9 @@ def worker(args, argv: Sequence[str]) -> int:
         if mpi_info["status"] != "ran":
             notes.append(f"MPI {mpi_info['status']}: {mpi_info['reason']}")
         else:
-            notes.append("MPI was measured on numpy host buffers (mpi4py, "
-                         f"{mpi_info.get('library', '?')}); its Bcast (and other small "
+            pages = "transparent huge pages" if mpi_info.get("hugepages") else "4 KiB pages"
+            notes.append(f"MPI was measured on numpy host buffers on {pages}, as torch's CPU "
+                         f"tensors are here (mpi4py, {mpi_info.get('library', '?')}); its Bcast (and other small "
                          "messages sent eagerly) may return before the peers have the data, so "
                          "per-call times can be below one synchronisation")
     json_path, plot_path = output_paths(args)
