@@ -184,7 +184,8 @@ def stage(tensor, arg: str, *, read: bool = True, write: bool = False) -> HostBu
     """Return a contiguous host buffer for ``tensor``.
 
     Args:
-        tensor: the caller's tensor (strided layout, any shape, any storage offset).
+        tensor: the caller's tensor (strided layout, any shape, any storage offset, any
+            address: one that is not a multiple of the element size is copied too).
         arg: the argument's name, used in error messages (e.g. ``"tensors[0]"``).
         read: the collective reads the tensor's current values.
         write: the collective writes results that must land in ``tensor`` (call
@@ -197,12 +198,16 @@ def stage(tensor, arg: str, *, read: bool = True, write: bool = False) -> HostBu
     dtype = check(tensor, arg, write=write)
     if not tensor.is_cpu:
         return _stage_device(tensor, dtype, read, write)
-    if tensor.is_contiguous() and not tensor.is_neg() and not (tensor.dtype in _COMPLEX_TO_REAL and tensor.is_conj()):
+    lazy = tensor.is_neg() or (tensor.dtype in _COMPLEX_TO_REAL and tensor.is_conj())
+    aligned = tensor.data_ptr() % tensor.element_size() == 0
+    if tensor.is_contiguous() and aligned and not lazy:
         return HostBuffer(tensor, tensor, dtype, write_back=False)
+    # A copy: strided, lazily negated or conjugated, or at an address that is not a
+    # multiple of the element size (a view of a byte buffer at an odd offset, say), which
+    # the core refuses; torch.empty's memory is aligned (64 bytes).
+    host = torch.empty(tensor.shape, dtype=tensor.dtype)
     if read:
-        host = tensor.resolve_conj().resolve_neg().contiguous()
-    else:
-        host = torch.empty(tensor.shape, dtype=tensor.dtype)
+        host.copy_(tensor.resolve_conj().resolve_neg())
     return HostBuffer(tensor, host, dtype, write_back=write)
 
 
