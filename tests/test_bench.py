@@ -48,6 +48,25 @@ def test_case_numel(op, requested, n, esize, want):
     assert case_numel(op, requested, n, esize) == want
 
 
+def test_best_of_rounds():
+    """Each (backend, op, dtype, S) keeps its lowest median, its round and every round's
+    median; baselines (no backend) are keyed by size alone."""
+    from flagos_shm.bench.rounds import best_of
+
+    def row(backend, size, median, tag):
+        return {"backend": backend, "op": "allreduce", "dtype": "float32", "size_bytes": size,
+                "time_us_median": median, "tag": tag}
+    rounds = [[row("a", 4, 5.0, "a4r0"), row("b", 4, 3.0, "b4r0"), row("a", 8, 9.0, "a8r0")],
+              [row("a", 4, 4.0, "a4r1"), row("b", 4, 7.0, "b4r1")],
+              [row("a", 4, 4.5, "a4r2"), row("a", 8, 1.0, "a8r2")]]
+    got = {(r["backend"], r["size_bytes"]): r for r in best_of(rounds)}
+    assert {k: (r["tag"], r["round"], r["round_medians_us"]) for k, r in got.items()} == {
+        ("a", 4): ("a4r1", 1, [5.0, 4.0, 4.5]), ("b", 4): ("b4r0", 0, [3.0, 7.0]),
+        ("a", 8): ("a8r2", 2, [9.0, 1.0])}
+    copies = best_of([[{"size_bytes": 4, "time_us_median": 2.0}], [{"size_bytes": 4, "time_us_median": 1.0}]])
+    assert copies == [{"size_bytes": 4, "time_us_median": 1.0, "round": 1, "round_medians_us": [2.0, 1.0]}]
+
+
 def test_rules():
     assert [busbw_factor(op, 4) for op in OPS] == [1.5, 0.75, 0.75, 1.0, 0.75]
     assert busbw_factor("allreduce", 1) == 0.0
@@ -69,7 +88,7 @@ def test_rules():
 @pytest.mark.parametrize("argv,flag", [
     (["--sizes", "0"], "--sizes"), (["--ops", "allreduce,scan"], "--ops"),
     (["--dtypes", "float8"], "--dtypes"), (["--backends", "nccl"], "--backends"),
-    (["--iters", "0"], "--iters"), (["--nproc", "0"], "--nproc"),
+    (["--iters", "0"], "--iters"), (["--nproc", "0"], "--nproc"), (["--rounds", "0"], "--rounds"),
 ])
 def test_bad_arguments_name_the_flag(argv, flag):
     with pytest.raises(SystemExit, match=re.escape(flag)):
@@ -145,6 +164,11 @@ def test_json_schema_and_values(run):
     want = {(b, op, dt, case_numel(op, s, N, DTYPES[dt])[1])
             for b in ("flagos_shm", "gloo") for op in OPS for dt in DT for s in SIZES}
     assert keys == want and len(torch_rows) == len(want)
+    rounds = cfg["rounds"]
+    assert rounds == 2  # the default: flagos_shm and Gloo, then Open MPI, twice
+    for r in doc["results"] + doc["copy_baseline"] + doc["xcopy_baseline"]:
+        assert len(r["round_medians_us"]) == rounds, r  # every round measured every figure
+        assert r["time_us_median"] == min(r["round_medians_us"]) == r["round_medians_us"][r["round"]], r
     for r in doc["results"]:
         assert 0 < r["time_us_min"] <= r["time_us_median"] <= r["time_us_p90"], r
         assert r["iters"] == 3 and r["warmup"] == 1

@@ -26,6 +26,7 @@ class Plan:
     device: str                  # "cpu" or "flagos"
     bind: bool = False
     world_size: int = 0
+    rounds: int = 2
 
     @property
     def torch_backends(self) -> List[str]:
@@ -86,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", action="store_true",
                    help="pin local rank i to the i-th allowed CPU (modulo the CPU count), MPI "
                         "ranks likewise; default: let the scheduler place the ranks")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="measure everything this many times, the torch backends and MPI "
+                        "alternating, and keep each figure's best round (lowest median); "
+                        "default 2 (see flagos_shm/bench/rounds.py)")
     p.add_argument("--json", metavar="PATH", default=None, help="write all results as JSON to PATH")
     p.add_argument("--plot", metavar="PATH", default=None,
                    help="draw busbw and latency vs size (PNG) to PATH; needs matplotlib")
@@ -119,7 +124,7 @@ def plan_from_args(args) -> Plan:
         raise SystemExit(str(exc)) from None
     if not sizes:
         raise SystemExit("--sizes: empty list")
-    for flag, low in (("iters", 1), ("warmup", 0)):
+    for flag, low in (("iters", 1), ("warmup", 0), ("rounds", 1)):
         value = getattr(args, flag)
         if value is not None and value < low:
             raise SystemExit(f"--{flag} must be >= {low}, got {value}")
@@ -131,7 +136,8 @@ def plan_from_args(args) -> Plan:
     return Plan(ops=_split(args.ops, OPS, "--ops"), sizes=list(dict.fromkeys(sizes)),
                 dtypes=_split(args.dtypes, list(DTYPES), "--dtypes"),
                 backends=_split(args.backends, ALL_BACKENDS, "--backends"),
-                iters=args.iters, warmup=args.warmup, device=args.device, bind=args.bind)
+                iters=args.iters, warmup=args.warmup, device=args.device, bind=args.bind,
+                rounds=args.rounds)
 
 
 def output_paths(args) -> Tuple[Optional[str], Optional[str]]:

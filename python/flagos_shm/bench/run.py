@@ -8,7 +8,7 @@ import time
 import traceback
 from dataclasses import asdict
 from datetime import timedelta
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from .. import _launch
 from . import limit
@@ -19,8 +19,32 @@ from .mpi import run_mpi
 from .overhead import measure_overhead
 from .plan import build_parser, output_paths, plan_from_args
 from .progress import Progress
+from .rounds import best_of
 from .tables import ratios, report
 from .timing import measure, measure_copy
+
+
+def _measure_round(plan, cases, copy_sizes, groups, devices, ctrl, rank, progress,
+                   skipped: Optional[list]) -> Tuple[list, list, list]:
+    """One round: the copy baselines, then every case on every torch backend. Returns
+    ``(copy_rows, xcopy_rows, results)``; cases a backend rejects on every rank go to
+    ``skipped`` on rank 0 (None: not recorded, as in every round after the first)."""
+    copy_rows = measure_copy(copy_sizes, plan, rank, ctrl, progress)
+    if rank == 0:
+        progress.note("cross-process copy baseline (ranks 0 and 1)")
+    xcopy_rows = limit.measure_xcopy(copy_sizes, plan, rank, ctrl, plan.world_size)
+    results = []
+    for op, dtype, _, size in cases:
+        for b, g in groups.items():
+            record, reason = measure(op, dtype, size, b, g, ctrl, plan, rank, devices[b])
+            if record is not None:
+                results.append(record)
+            elif rank == 0 and skipped is not None:
+                skipped.append({"backend": b, "op": op, "dtype": dtype, "size_bytes": size, "reason": reason})
+            if rank == 0:
+                w, i = iterations(size, plan.iters, plan.warmup)
+                progress.advance(Progress.weight(size, w, i), f"{op} {dtype} {human(size)} {b}")
+    return copy_rows, xcopy_rows, results
 
 
 def worker(args, argv: Sequence[str]) -> int:
@@ -44,6 +68,7 @@ def worker(args, argv: Sequence[str]) -> int:
 
     timeout = timedelta(seconds=args.timeout)
     notes: List[str] = []
+    mpi_info: dict = {"status": "not requested", "reason": ""} if "mpi" not in plan.backends else {}
     results: List[dict] = []
     skipped: List[dict] = []
     progress = Progress(0, enabled=False)
@@ -74,6 +99,7 @@ def worker(args, argv: Sequence[str]) -> int:
             total = sum(Progress.weight(size, *iterations(size, plan.iters, plan.warmup)) * len(groups)
                         for _, _, _, size in cases)
             total += sum(Progress.weight(s, *iterations(s, plan.iters, plan.warmup)) / 4 for s in copy_sizes)
+            total *= plan.rounds
             progress = Progress(total, enabled=not args.no_progress)
             pinned = "pinned one per CPU (--bind)" if plan.bind else "placed by the scheduler"
             print(f"flagos_shm.bench: world size {world_size}, backends {', '.join(plan.backends)}, "
@@ -82,27 +108,30 @@ def worker(args, argv: Sequence[str]) -> int:
                   f"{torch.__version__}; ranks {pinned}, {torch.get_num_threads()} intra-op "
                   f"thread(s) each", flush=True)
 
-        copy_rows = measure_copy(copy_sizes, plan, rank, ctrl, progress)
-        if rank == 0:
-            progress.note("cross-process copy baseline (ranks 0 and 1)")
-        xcopy_rows = limit.measure_xcopy(copy_sizes, plan, rank, ctrl, world_size)
         plan_info = limit.plan_info(groups["flagos_shm"]) if "flagos_shm" in groups else None
         if rank == 0 and plan_info:
             print(f"flagos_shm plan ({plan_info['source']}): {plan_info['text']}", flush=True)
         overhead = None
         if "flagos_shm" in groups:
             overhead = measure_overhead(groups["flagos_shm"], ctrl, plan, rank, device)
-        for op, dtype, _, size in cases:
-            for b, g in groups.items():
-                record, reason = measure(op, dtype, size, b, g, ctrl, plan, rank, devices[b])
-                if record is not None:
-                    results.append(record)
-                elif rank == 0:
-                    skipped.append({"backend": b, "op": op, "dtype": dtype, "size_bytes": size,
-                                    "reason": reason})
+        rounds: List[Tuple[list, list, list]] = []
+        for rnd in range(plan.rounds):
+            round_rows = _measure_round(plan, cases, copy_sizes, groups, devices, ctrl, rank, progress,
+                                        skipped if rnd == 0 else None)
+            if "mpi" in plan.backends and mpi_info.get("status") in (None, "ran"):
+                dist.barrier(group=ctrl)  # every torch rank done with this round: MPI has the CPUs
                 if rank == 0:
-                    w, i = iterations(size, plan.iters, plan.warmup)
-                    progress.advance(Progress.weight(size, w, i), f"{op} {dtype} {human(size)} {b}")
+                    left = args.job_timeout - (time.monotonic() - started) - 5
+                    mpi_results, mpi_skipped, mpi_info = run_mpi(plan, cpus, max(10.0, left), progress)
+                    round_rows[2].extend(mpi_results)
+                    if rnd == 0:
+                        skipped += mpi_skipped
+                    store.set(f"flagos_shm.bench/mpi-round-{rnd}", mpi_info["status"])
+                else:
+                    store.wait([f"flagos_shm.bench/mpi-round-{rnd}"], timedelta(seconds=args.job_timeout))
+                    mpi_info = {"status": store.get(f"flagos_shm.bench/mpi-round-{rnd}").decode()}
+            rounds.append(round_rows)
+        copy_rows, xcopy_rows, results = (best_of([r[i] for r in rounds]) for i in range(3))
         dist.barrier(group=ctrl)
     except Exception:
         progress.close()
@@ -116,12 +145,7 @@ def worker(args, argv: Sequence[str]) -> int:
     if rank != 0:
         return 0
 
-    mpi_info: dict = {"status": "not requested", "reason": ""}
     if "mpi" in plan.backends:
-        left = args.job_timeout - (time.monotonic() - started) - 5
-        mpi_results, mpi_skipped, mpi_info = run_mpi(plan, cpus, max(10.0, left), progress)
-        results += mpi_results
-        skipped += mpi_skipped
         if mpi_info["status"] != "ran":
             notes.append(f"MPI {mpi_info['status']}: {mpi_info['reason']}")
         else:
@@ -130,6 +154,9 @@ def worker(args, argv: Sequence[str]) -> int:
                          f"tensors are here (mpi4py, {mpi_info.get('library', '?')}); its Bcast (and other small "
                          "messages sent eagerly) may return before the peers have the data, so "
                          "per-call times can be below one synchronisation")
+    if plan.rounds > 1:
+        notes.append(f"{plan.rounds} rounds, the torch backends and MPI alternating; each figure is its "
+                     "best round's (lowest median; 'round' in the JSON records)")
     json_path, plot_path = output_paths(args)
     doc = {
         "schema": SCHEMA,
@@ -140,7 +167,7 @@ def worker(args, argv: Sequence[str]) -> int:
         "config": {"world_size": world_size, "simulated_nodes": args.nodes, "ops": plan.ops,
                    "sizes_requested": plan.sizes,
                    "dtypes": plan.dtypes, "backends": plan.backends, "device": str(plan.device),
-                   "bind": plan.bind, "iters": plan.iters, "warmup": plan.warmup,
+                   "bind": plan.bind, "iters": plan.iters, "warmup": plan.warmup, "rounds": plan.rounds,
                    "intra_op_threads": torch.get_num_threads(),
                    "iteration_rule": f"iters = clamp({ITER_BUDGET_BYTES} / S, {MIN_ITERS}, "
                                      f"{MAX_ITERS}) unless --iters; warmup = iters // 10 (>= 1) "
