@@ -77,9 +77,10 @@ class Gathering(CollectiveBase):
             return SLOW
         numel, es = input.numel(), input.element_size()
         in_ptr, out_ptr, in_bytes, out_bytes = input.data_ptr(), output.data_ptr(), numel * es, output.numel() * es
-        if (in_ptr < out_ptr + out_bytes and out_ptr < in_ptr + in_bytes
-                and not (in_ptr == out_ptr + self._rank * in_bytes and type(self._comm) is _CORE_COMM)):
-            return SLOW  # overlapping other than in place: the full path copies the input first
+        if ((in_ptr < out_ptr + out_bytes and out_ptr < in_ptr + in_bytes
+                and not (in_ptr == out_ptr + self._rank * in_bytes and type(self._comm) is _CORE_COMM))
+                or (in_ptr | out_ptr) % es):
+            return SLOW  # overlapping other than in place (the full path copies the input first) or not aligned
         comm = self._comm
         return self._fast_call("all_gather_single", [output], lambda done: comm.allgather(
             in_ptr, in_bytes, out_ptr, out_bytes, numel, dtype, None, done), opts.asyncOp, (input,))

@@ -48,10 +48,10 @@ _UNSET_TIMEOUT = options._UNSET_TIMEOUT
 def fast_dtype(t) -> Optional[str]:
     """The core dtype of ``t`` if it is a tensor the fast paths take as it is, else None:
     an exact ``torch.Tensor`` on the CPU, strided, contiguous, without a lazy negation,
-    at an address that is a multiple of its element size (the core refuses others; the
-    full path stages them), of a real core dtype."""
-    if (type(t) is not torch.Tensor or not t.is_cpu or t.layout != _STRIDED or not t.is_contiguous() or t.is_neg()
-            or t.data_ptr() % t.element_size()):
+    of a real core dtype. (Each fast path also checks that the tensor's address is a
+    multiple of its element size, where it reads the address: the core refuses others,
+    the full path stages them.)"""
+    if type(t) is not torch.Tensor or not t.is_cpu or t.layout != _STRIDED or not t.is_contiguous() or t.is_neg():
         return None
     return _CORE_DTYPES.get(t.dtype)
 

@@ -51,9 +51,12 @@ class OneToAll(CollectiveBase):
         root = opts.rootRank
         if dtype is None or opts.rootTensor != 0 or opts.timeout != _UNSET_TIMEOUT or not 0 <= root < self._world_size:
             return SLOW
+        ptr, es = t.data_ptr(), t.element_size()
+        if ptr % es:
+            return SLOW  # not aligned to its element size: the full path stages it
         numel, comm = t.numel(), self._comm
         return self._fast_call("broadcast", tensors, lambda done: comm.broadcast(
-            t.data_ptr(), numel * t.element_size(), numel, dtype, root, None, done), opts.asyncOp)
+            ptr, numel * es, numel, dtype, root, None, done), opts.asyncOp)
 
     def scatter(self, output_tensors, input_tensors, opts=None, timeout=None) -> ShmWork:
         """Copy the root's ``input_tensors[0][r]`` into rank r's ``output_tensors[0]``.

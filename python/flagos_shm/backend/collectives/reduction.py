@@ -53,9 +53,12 @@ class Reduction(CollectiveBase):
         op, _ = options.reduce_op(opts.reduceOp)
         if op == options.PREMUL_SUM or (op, t.dtype) not in options._VALID_OP_DTYPES:
             return SLOW
+        ptr, es = t.data_ptr(), t.element_size()
+        if ptr % es:
+            return SLOW  # not aligned to its element size: the full path stages it
         numel, comm = t.numel(), self._comm
         return self._fast_call("allreduce", tensors, lambda done: comm.allreduce(
-            t.data_ptr(), numel * t.element_size(), numel, dtype, op, 1.0, None, done), opts.asyncOp)
+            ptr, numel * es, numel, dtype, op, 1.0, None, done), opts.asyncOp)
 
     def allreduce_coalesced(self, tensors, opts=None) -> ShmWork:
         """Reduce each tensor of ``tensors`` (one dtype, any sizes) in place, as one core
@@ -160,8 +163,8 @@ class Reduction(CollectiveBase):
             return SLOW
         es = output.element_size()
         out_ptr, in_ptr, out_bytes, in_bytes = output.data_ptr(), input.data_ptr(), numel * es, input.numel() * es
-        if in_ptr < out_ptr + out_bytes and out_ptr < in_ptr + in_bytes:
-            return SLOW  # overlapping: the full path copies the input first
+        if (in_ptr < out_ptr + out_bytes and out_ptr < in_ptr + in_bytes) or (in_ptr | out_ptr) % es:
+            return SLOW  # overlapping (the full path copies the input first) or not aligned (it stages)
         comm = self._comm
         return self._fast_call("reduce_scatter_single", [output], lambda done: comm.reduce_scatter(
             in_ptr, in_bytes, out_ptr, out_bytes, numel, dtype, op, 1.0, None, done), opts.asyncOp, (input,))
