@@ -9,7 +9,7 @@
 //! seccomp profile can forbid it. The communicator therefore probes every peer when the
 //! group is set up (see `Communicator::attach_with`) and all ranks use single-copy
 //! collectives only if every probe worked; otherwise the slot path is used. Setting
-//! `FLAGOS_SHM_CMA=0` turns it off.
+//! `FLAGOS_SHM_CMA=0` (or `false`, `no`, `off`) turns it off.
 //!
 //! Safety of the remote side: the peer's address and the length come from the group's
 //! control blocks, but the read goes through the kernel, which checks the remote range
@@ -19,12 +19,13 @@
 
 use crate::error::{Error, Result};
 
-/// Environment variable: `0` disables single-copy transfers.
+/// Environment variable: `0` (or `false`, `no`, `off`) disables single-copy transfers.
 pub const ENV_CMA: &str = "FLAGOS_SHM_CMA";
 
-/// Whether single-copy transfers are allowed by the environment (`FLAGOS_SHM_CMA`).
+/// Whether single-copy transfers are allowed by the environment (`FLAGOS_SHM_CMA`; the
+/// off words are those of [`crate::env::is_off`]).
 pub fn enabled_by_env() -> bool {
-    std::env::var(ENV_CMA).map_or(true, |v| v.trim() != "0")
+    crate::env::switch_on(ENV_CMA)
 }
 
 /// Environment variable: message size in bytes from which single-copy transfers are

@@ -166,7 +166,7 @@ impl Shared {
 
     fn thread_main(&self) {
         ON_PROGRESS_THREAD.with(|c| c.set(true));
-        if std::env::var_os("FLAGOS_SHM_PROGRESS_BATCH").is_none_or(|v| v != "0") {
+        if crate::env::switch_on("FLAGOS_SHM_PROGRESS_BATCH") {
             batch_policy();
         }
         loop {

@@ -31,6 +31,8 @@ Variables:
     FLAGOS_SHM_PLAN: ``auto`` (default: measured once per machine and cached), ``calibrate``,
         ``fallback`` or explicit thresholds: which algorithm each collective uses at which
         size (:mod:`flagos_shm.backend.plan`). Every rank must set the same value.
+    FLAGOS_SHM_CMA_MIN_BYTES: read by the core; checked here (:func:`cma_min_bytes`) so that
+        a value the core cannot parse raises instead of being ignored.
 """
 
 from __future__ import annotations
@@ -52,9 +54,12 @@ ENV_HIER_RS_MIN_BYTES = "FLAGOS_SHM_HIER_RS_MIN_BYTES"
 #: at 16 MiB (a pessimistic setting for it: its parallel Gloo steps share 2 CPUs there).
 DEFAULT_HIER_RS_MIN_BYTES = 4 << 20
 ENV_PLAN = "FLAGOS_SHM_PLAN"
+ENV_CMA_MIN_BYTES = "FLAGOS_SHM_CMA_MIN_BYTES"
 DEFAULT_DIR = "/dev/shm"
 ROUTES = ("auto", "backend", "process_group")
 
+#: The words that turn a flag off; the core reads FLAGOS_SHM_CMA and FLAGOS_SHM_PROGRESS_BATCH
+#: with the same ones (``rust/env.rs``).
 _OFF = ("0", "false", "no", "off")
 
 
@@ -105,6 +110,21 @@ def hier_rs_min_bytes():
         raise ValueError(f"{ENV_HIER_RS_MIN_BYTES}={raw!r}: expected a number of bytes >= 0 or 'off' "
                          f"(default {DEFAULT_HIER_RS_MIN_BYTES})")
     return value
+
+
+def cma_min_bytes() -> str:
+    """``FLAGOS_SHM_CMA_MIN_BYTES`` as set (stripped; ``""`` when unset). The core reads the
+    number itself and ignores one it cannot parse as a 64-bit count (``64K``, ``-1``), which
+    would silently drop the plan's thresholds for its defaults, so it is checked here.
+
+    Raises:
+        ValueError: set to anything but an integer number of bytes in [0, 2**64).
+    """
+    raw = os.environ.get(ENV_CMA_MIN_BYTES, "").strip()
+    if raw and not (raw.isascii() and raw.isdigit() and int(raw) < 1 << 64):
+        raise ValueError(f"{ENV_CMA_MIN_BYTES}={raw!r}: expected a non-negative integer number of bytes "
+                         f"(unset: the plan's single-copy thresholds)")
+    return raw
 
 
 def route() -> str:

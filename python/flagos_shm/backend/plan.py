@@ -283,7 +283,7 @@ def decide(measured: Dict[str, Dict[str, List[float]]], grid=GRID) -> dict:
 
 def _request() -> str:
     return json.dumps({"plan": os.environ.get(config.ENV_PLAN, "").strip() or "auto",
-                       "cma_min_bytes": os.environ.get("FLAGOS_SHM_CMA_MIN_BYTES", "").strip()})
+                       "cma_min_bytes": config.cma_min_bytes()})
 
 
 def setup(comm, store, rank: int, world_size: int, where: str) -> Tuple[dict, str]:
@@ -292,10 +292,10 @@ def setup(comm, store, rank: int, world_size: int, where: str) -> Tuple[dict, st
     ``"env"``, ``"fallback"``, ``"cache"``, ``"calibrated"``.
 
     Raises:
-        ValueError: ``FLAGOS_SHM_PLAN`` is malformed (on the ranks that set it), or the
-            ranks asked for different plans (on every rank).
+        ValueError: ``FLAGOS_SHM_PLAN`` or ``FLAGOS_SHM_CMA_MIN_BYTES`` is malformed (on
+            the ranks that set it), or the ranks asked for different plans (on every rank).
     """
-    mine = _request()
+    mine = _request()  # a malformed FLAGOS_SHM_CMA_MIN_BYTES raises here, before publishing anything
     parse(json.loads(mine)["plan"])  # malformed: raise here, before publishing anything
     store.set(f"plan/request/{rank}", mine)
     if rank == 0:

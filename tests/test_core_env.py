@@ -1,0 +1,82 @@
+"""The settings the core reads itself, read the way the README's table says: the off words
+of every other flag (``0``, ``false``, ``no``, ``off``) turn ``FLAGOS_SHM_CMA`` off, and a
+``FLAGOS_SHM_CMA_MIN_BYTES`` the core cannot parse raises ``ValueError`` naming it on every
+rank (it used to be ignored, silently replacing the plan's single-copy thresholds by the
+core's defaults). Each rank sets the variable between groups, so one spawn covers every
+value, and the group created without it is the control.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from spawn import spawn
+
+pytestmark = pytest.mark.timeout(180)
+
+CMA_OFF_WORDS = ("off", "False", " no ", "0")
+BAD_MIN_BYTES = ("64K", "-1", "1e6", "99999999999999999999999")
+
+
+def _single_copy(group) -> bool:
+    import flagos_shm
+
+    return bool(flagos_shm.backend.shm_part(group)._comm.single_copy_available)
+
+
+def env_rank(rank: int, world_size: int, tmp: str) -> dict:
+    import flagos_shm  # noqa: F401
+
+    dist.init_process_group("flagos_shm", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    res = {"control": _single_copy(dist.group.WORLD), "off": {}, "bad": {}}
+    for word in CMA_OFF_WORDS:
+        os.environ["FLAGOS_SHM_CMA"] = word
+        group = dist.new_group(list(range(world_size)))
+        res["off"][word] = _single_copy(group)
+        dist.destroy_process_group(group)
+    del os.environ["FLAGOS_SHM_CMA"]
+    for value in BAD_MIN_BYTES:
+        os.environ["FLAGOS_SHM_CMA_MIN_BYTES"] = value
+        try:
+            dist.new_group(list(range(world_size)))
+            res["bad"][value] = None
+        except ValueError as exc:
+            res["bad"][value] = str(exc)
+    del os.environ["FLAGOS_SHM_CMA_MIN_BYTES"]
+    t = torch.full((4,), float(rank + 1))
+    dist.all_reduce(t)  # the default group is unharmed
+    res["sum"] = t.tolist()
+    dist.destroy_process_group()
+    return res
+
+
+WORLD_SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def results():
+    return spawn(env_rank, WORLD_SIZE)
+
+
+def test_default_group_unharmed(results):
+    want = [float(WORLD_SIZE * (WORLD_SIZE + 1) // 2)] * 4
+    assert [res["sum"] for res in results] == [want] * WORLD_SIZE
+
+
+def test_malformed_cma_min_bytes_raises_naming_it_on_every_rank(results):
+    for rank, res in enumerate(results):
+        for value, err in res["bad"].items():
+            assert err is not None, f"rank {rank}: FLAGOS_SHM_CMA_MIN_BYTES={value!r} was accepted"
+            assert "FLAGOS_SHM_CMA_MIN_BYTES" in err and repr(value.strip()) in err, err
+
+
+def test_cma_off_words_turn_single_copy_off(results):
+    if not all(res["control"] for res in results):
+        pytest.skip("single-copy transfers are not available here (ptrace restrictions): "
+                    "the off words cannot be told from the default")
+    for rank, res in enumerate(results):
+        assert res["off"] == {w: False for w in CMA_OFF_WORDS}, f"rank {rank}: {res['off']}"
