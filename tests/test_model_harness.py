@@ -94,7 +94,7 @@ def reference(world_size: int) -> dict:
         opt.zero_grad()
         loss = _loss(model, _batch(step, world_size))
         loss.backward()
-        losses.append(float(loss))
+        losses.append(loss.item())
         norms.append(_grad_norm(p.grad for p in model.parameters()))
         opt.step()
     return {"losses": losses, "norms": norms}
