@@ -43,8 +43,12 @@ What it measures, in the same rank processes and the same run:
 * MPI (``--backends ...,mpi``, in the default list): when ``mpi4py`` is importable and an
   ``mpirun``/``mpiexec`` is on PATH, rank 0 runs ``mpirun -n N python
   .../flagos_shm/bench/mpi_rank.py`` after the torch measurements, with the same plan, on numpy host
-  buffers (so always CPU memory; float16/bfloat16 have no standard MPI datatype and are
-  skipped); otherwise one line says why MPI was skipped.
+  buffers on the kind of pages torch's tensors get (``machine.torch_cpu_hugepages``; so always
+  CPU memory; float16/bfloat16 have no standard MPI datatype and are skipped); otherwise one
+  line says why MPI was skipped.
+* Rounds (``--rounds``, default 2): all of the above but the overhead is measured that many
+  times, the torch part and the MPI part alternating, and each figure is its best round's
+  (lowest median), see ``rounds.py``.
 
 ``--device flagos`` puts flagos_shm's tensors on the flagos device (a real torch_fl device,
 or the emulated one, enabled when none is registered); gloo cannot take flagos tensors, so
@@ -62,7 +66,8 @@ of one case), ``timing.py`` (the timed loop, the copy baseline), ``overhead.py``
 overhead), ``limit.py`` (the memory limit: cross-process copy, plan, multiples), ``mpi.py``
 (the MPI run; ``mpi_rank.py`` is one MPI rank, torch-free), ``common.py`` (torch-free rules
 shared with the MPI ranks), ``progress.py``, ``tables.py`` (the report), ``plotting.py``,
-``machine.py`` (device, machine information), ``run.py`` (one rank, and :func:`main`).
+``machine.py`` (device, machine information, the pages of torch's tensors), ``rounds.py``
+(the best of the rounds), ``run.py`` (one rank, and :func:`main`).
 """
 
 from __future__ import annotations
