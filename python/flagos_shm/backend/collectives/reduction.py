@@ -106,7 +106,19 @@ class Reduction(CollectiveBase):
         Args:
             output_tensors: ``[tensor]``; or a bare tensor with a flat input list (older overload,
                 then ``opts`` may be a ``ReduceOp``).
-            input_tensors: ``[[t_0, ..., t_{n-1}]]``, each with the output's element count.
+            input_tensors: ``[[t_0, ..., t_{n-1}]]``: ``t_r`` holds rank r's part, with rank
+                r's output element count; the counts may differ between ranks (as Gloo
+                allows), but every rank must pass the same list of counts.
+
+        Raises:
+            ValueError: ``input_tensors[0][rank]`` does not have the output's element count;
+                ranks whose lists of counts differ (uneven lists: on every rank, naming the
+                tensor).
+
+        Uneven counts run as one coalesced allreduce of all n parts (each rank keeps its
+        own): n times the bytes of an even reduce-scatter, for a call that is rare; the
+        coalesced call's table makes ranks with different lists fail instead of mixing
+        parts.
         """
         name = "reduce_scatter"
         with self._validating(name, (output_tensors, input_tensors)):
@@ -118,15 +130,27 @@ class Reduction(CollectiveBase):
             ins = options.tensor_list(options.single(input_tensors, "input_tensors"), "input_tensors[0]",
                                       self._world_size)
             options.check_list(ins, "input_tensors[0]", out, write=False)
-            for i, t in enumerate(ins):
-                if t.numel() != out.tensor.numel():
-                    raise ValueError(f"input_tensors[0][{i}]: expected the output's {out.tensor.numel()} "
-                                     f"elements, got {t.numel()}")
+            mine = ins[self._rank].numel()
+            if mine != out.tensor.numel():
+                raise ValueError(f"input_tensors[0][{self._rank}]: expected the output's {out.tensor.numel()} "
+                                 f"elements (this rank's part), got {mine}")
             options.check_op(a.op, out, "output_tensors[0]")
         comm = self._comm
+        if any(t.numel() != mine for t in ins):
+            return self._reduce_scatter_uneven(name, out, ins, a, opts)
         src = staging.pack(ins, out.tensor.numel())
         return self._run(name, [out.tensor], [out], [lambda done: comm.reduce_scatter(
             src.ptr, src.nbytes, out.ptr, out.nbytes, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
+
+    def _reduce_scatter_uneven(self, name, out, ins, a, opts) -> ShmWork:
+        """:meth:`reduce_scatter` with parts of different sizes: every part reduced by one
+        ``allreduce_coalesced`` of copies of them (the caller's inputs stay unchanged), this
+        rank's part then copied into ``out``."""
+        parts = [staging.pack([t], t.numel()) for t in ins]
+        comm, own = self._comm, parts[self._rank]
+        return self._run(name, [out.tensor], [out], [lambda done: comm.allreduce_coalesced(
+            [b.ptr for b in parts], [b.nbytes for b in parts], [b.numel for b in parts], [b.dtype for b in parts],
+            a.op, a.factor, a.timeout_s, done)], opts, after=lambda: out.host.reshape(-1).copy_(own.host))
 
     def reduce_scatter_single(self, output, input, opts=None) -> ShmWork:
         """Reduce ``input`` (``world_size * output.numel()`` elements) over all ranks; rank r
