@@ -1,6 +1,7 @@
 """The per-call fast paths of ``allreduce``, ``all_gather_into_tensor``,
-``reduce_scatter_tensor`` and ``broadcast`` (``_allreduce_fast``, ``_all_gather_single_fast``,
-``_reduce_scatter_single_fast``, ``_broadcast_fast``): the common case (contiguous CPU tensors, default options)
+``reduce_scatter_tensor``, ``broadcast`` and ``all_to_all_single`` (``_allreduce_fast``,
+``_all_gather_single_fast``, ``_reduce_scatter_single_fast``, ``_broadcast_fast``,
+``_all_to_all_single_fast``): the common case (contiguous CPU tensors, default options)
 skips staging, and every other case still takes the full path with all its checks, on both
 c10d routes."""
 
@@ -207,6 +208,101 @@ def test_broadcast_common_case_skips_staging(worlds, backend, route):
         for name in ("root0", "root1", "root2", "async", "half"):
             assert r[name] == (True, 0), (name, r)
         assert r["strided"][0] and r["strided"][1] >= 1, r
+
+
+def _a2a_rows(src, dst, rows, dtype=torch.float64):
+    """Rank ``src``'s all-to-all input piece for rank ``dst``: ``rows`` rows of 2 values
+    that name both ranks and the position (so a piece from the wrong rank, or for the
+    wrong rank, or shifted, cannot match)."""
+    return (torch.arange(2 * rows, dtype=torch.float64) + 1000 * src + 100 * dst).reshape(rows, 2).to(dtype)
+
+
+def all_to_all_paths():
+    """Each case: (result as expected, number of tensors staged). The expected output is
+    built piece by piece from :func:`_a2a_rows` (what every peer sends this rank), not by
+    another all-to-all."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    k = 3  # rows per piece
+
+    def inp(dtype=torch.float64):
+        return torch.cat([_a2a_rows(rank, q, k, dtype) for q in range(n)])
+
+    def want(dtype=torch.float64):
+        return torch.cat([_a2a_rows(r, rank, k, dtype) for r in range(n)]).tolist()
+
+    with staging_counted() as case:
+        out = {}
+
+        def plain(async_op=False, dtype=torch.float64):
+            o = torch.full((n * k, 2), -1.0).to(dtype)
+            w = dist.all_to_all_single(o, inp(dtype), async_op=async_op)
+            if async_op:
+                w.wait()
+            return o.tolist() == want(dtype)
+        out["fast"] = case(plain)
+        out["async"] = case(lambda: plain(True))
+        out["int32"] = case(lambda: plain(dtype=torch.int32))
+        out["bf16"] = case(lambda: plain(dtype=torch.bfloat16))
+
+        def flat():  # 1-D tensors: dim 0 is the element count
+            o = torch.empty(n * k * 2, dtype=torch.float64)
+            dist.all_to_all_single(o, inp().reshape(-1))
+            return o.reshape(n * k, 2).tolist() == want()
+        out["flat"] = case(flat)
+
+        def in_place():  # output is input: the full path copies the input first
+            t = inp()
+            dist.all_to_all_single(t, t)
+            return t.tolist() == want()
+        out["in_place"] = case(in_place)
+
+        def strided():  # a non-contiguous input: the full path stages it
+            wide = torch.zeros(n * k, 4, dtype=torch.float64)
+            wide[:, 1:3] = inp()
+            o = torch.empty(n * k, 2, dtype=torch.float64)
+            dist.all_to_all_single(o, wide[:, 1:3])
+            return o.tolist() == want()
+        out["strided"] = case(strided)
+
+        def misaligned():  # address not a multiple of the element size: staged
+            src = _misaligned(inp(torch.float32).reshape(-1).tolist(), torch.float32, 2)
+            o = _misaligned([-1.0] * (n * k * 2), torch.float32, 2)
+            dist.all_to_all_single(o, src)
+            return o.reshape(n * k, 2).tolist() == want(torch.float32)
+        out["misaligned"] = case(misaligned)
+
+        def splits():  # explicit (even) split sizes: the full path
+            o = torch.empty(n * k, 2, dtype=torch.float64)
+            dist.all_to_all_single(o, inp(), output_split_sizes=[k] * n, input_split_sizes=[k] * n)
+            return o.tolist() == want()
+        out["splits"] = case(splits)
+
+        def bad_rows():  # dim 0 not divisible by the world size: ValueError naming it
+            try:
+                dist.all_to_all_single(torch.empty(n * k + 1), torch.ones(n * k + 1))
+            except ValueError as exc:
+                return "dim 0" in str(exc)
+            return False
+        out["bad_rows"] = case(bad_rows)
+        out["after"] = case(plain)  # the group still works after the refused call
+        return out
+
+
+@pytest.mark.parametrize("route", ["auto", "process_group"])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_to_all_common_case_skips_staging(worlds, backend, route, world_size):
+    """all_to_all_single without split sizes on contiguous, aligned CPU tensors of one
+    dtype goes straight to the core (nothing staged); in place, strided, misaligned and
+    split-size calls keep the full path, with correct results; a call the full path
+    refuses is refused on every rank and the group goes on."""
+    results = worlds(world_size, FLAGOS_SHM_ROUTE=route).run(all_to_all_paths)
+    for r in results:
+        assert all(ok for ok, _ in r.values()), r
+        if backend == "flagos_shm":
+            for name in ("fast", "async", "int32", "bf16", "flat", "after"):
+                assert r[name][1] == 0, (name, r)
+            for name in ("in_place", "strided", "misaligned", "splits"):
+                assert r[name][1] >= 1, (name, r)
 
 
 def async_off_calls():

@@ -9,11 +9,15 @@ data moves), so it runs asynchronously like every other collective.
 from __future__ import annotations
 
 import torch
+from torch._C import _distributed_c10d as c10d
 
 from ... import staging
 from ...work import ShmWork
 from .. import options
-from .base import CollectiveBase
+from .base import SLOW, CollectiveBase, fast_dtype
+
+_ALLTOALL_OPTIONS = c10d.AllToAllOptions
+_UNSET_TIMEOUT = options._UNSET_TIMEOUT
 
 
 def _per_value(dtype: torch.dtype) -> int:
@@ -41,6 +45,10 @@ class AllToAll(CollectiveBase):
                 that disagree between ranks (on every rank; the group stays usable).
             TypeError: unsupported or different dtypes.
         """
+        if not output_split_sizes and not input_split_sizes:
+            done = self._all_to_all_single_fast(output, input, opts)
+            if done is not SLOW:
+                return done
         name = "all_to_all_single"
         with self._validating(name, (output, input)):
             a = self._args(opts)
@@ -66,6 +74,33 @@ class AllToAll(CollectiveBase):
                 inp.ptr, inp.nbytes, out.ptr, out.nbytes, inp.numel // n, inp.dtype, a.timeout_s, done)], opts)
         return self._run(name, [output], [out], [lambda done: comm.alltoallv(
             inp.ptr, inp.nbytes, out.ptr, out.nbytes, send, recv, inp.dtype, a.timeout_s, done)], opts)
+
+    def _all_to_all_single_fast(self, output, input, opts):
+        """The common case of :meth:`all_to_all_single` without split sizes (MoE token
+        dispatch, torch's ``dist.all_to_all_single(out, inp)``): two tensors that
+        :func:`~.base.fast_dtype` takes, of one dtype and element count, not empty, with
+        dim 0 divisible by the world size, not overlapping, at addresses aligned to the
+        element size; exact ``AllToAllOptions`` without a per-call timeout, nothing
+        pending or coalescing, an open group. The same checks as the full path, spelled
+        out for this case; returns what :meth:`all_to_all_single` would, or
+        :data:`~.base.SLOW` (nothing done) for any other call (which the full path then
+        checks, stages or refuses)."""
+        if type(opts) is not _ALLTOALL_OPTIONS or self._pending or self._closed or self._coalesced is not None:
+            return SLOW
+        dtype = fast_dtype(input)
+        if dtype is None or fast_dtype(output) is None or output.dtype != input.dtype or opts.timeout != _UNSET_TIMEOUT:
+            return SLOW
+        n, numel = self._world_size, input.numel()
+        if numel == 0 or output.numel() != numel or input.dim() == 0 or output.dim() == 0 \
+                or input.shape[0] % n or output.shape[0] % n:
+            return SLOW
+        es = input.element_size()
+        in_ptr, out_ptr, nbytes = input.data_ptr(), output.data_ptr(), numel * es
+        if (in_ptr < out_ptr + nbytes and out_ptr < in_ptr + nbytes) or (in_ptr | out_ptr) % es:
+            return SLOW  # overlapping (the full path copies the input first) or not aligned (it stages)
+        comm = self._comm
+        return self._fast_call("all_to_all_single", [output], lambda done: comm.alltoall(
+            in_ptr, nbytes, out_ptr, nbytes, numel // n, dtype, None, done), opts.asyncOp, (input,))
 
     def _splits(self, sizes, tensor: torch.Tensor, arg: str) -> list:
         """Per-rank row counts along dim 0 (equal split when ``sizes`` is empty)."""

@@ -37,7 +37,7 @@ _log = logging.getLogger("flagos_shm")
 __all__ = ["CollectiveBase", "SLOW"]
 
 #: Returned by a collective's fast path (``_allreduce_fast``, ``_all_gather_single_fast``,
-#: ``_reduce_scatter_single_fast``, ``_broadcast_fast``) when the call is not its common
+#: ``_reduce_scatter_single_fast``, ``_broadcast_fast``, ``_all_to_all_single_fast``) when the call is not its common
 #: case: nothing was done, and the full path (all checks, staging) runs instead.
 SLOW = object()
 _CORE_DTYPES = staging.CORE_DTYPES  # real dtypes only: complex tensors take the full path
