@@ -16,7 +16,8 @@
 //! dead peers and aborted groups, `KeyboardInterrupt` (or whatever a signal handler
 //! raised) when interrupted.
 //!
-//! `Communicator` is here; `P2PChannel` (point-to-point between two ranks) is in `binding/p2p.rs`.
+//! `Communicator` is here; `P2PChannel` (point-to-point between two ranks) is in `binding/p2p.rs`,
+//! `copy_bytes` (the host copy of `flagos_shm.staging`) in `binding/staging.rs`.
 
 use crate::algorithms::{AbortHandle, Communicator, Kind, ONE_SHOT_MAX_BYTES};
 use crate::buffer::Buf;
@@ -31,6 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 mod p2p;
+mod staging;
 
 type Pending = Arc<Mutex<Option<PyErr>>>;
 
@@ -728,6 +730,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(default_slot_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(segment_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(process_exited, m)?)?;
+    m.add_function(wrap_pyfunction!(staging::copy_bytes, m)?)?;
     m.add_class::<PyCommunicator>()?;
     m.add_class::<p2p::PyP2PChannel>()?;
     m.add("DEFAULT_SLOT_BYTES", DEFAULT_SLOT_BYTES)?;

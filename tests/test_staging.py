@@ -133,3 +133,65 @@ def test_pinned_pool_keeps_at_most_its_limit_smallest_freed_first():
         pool.release(b)
     assert pool.idle_bytes == 3 << 16  # the first 64 KiB one went: over the limit, smallest first
     assert pool.acquire(1 << 17) is bufs[1] and pool.acquire(1) is bufs[2]
+
+
+@pytest.fixture
+def torch_copies():
+    """Records the element count of every ``Tensor.copy_`` of a CPU tensor while active."""
+    seen = []
+    real = torch.Tensor.copy_
+
+    def counting(self, src, *args, **kwargs):
+        if self.is_cpu:
+            seen.append(self.numel())
+        return real(self, src, *args, **kwargs)
+    torch.Tensor.copy_ = counting
+    try:
+        yield seen
+    finally:
+        torch.Tensor.copy_ = real
+
+
+def test_copy_into_copies_large_contiguous_tensors_itself(torch_copies):
+    """From torch's parallel grain (32768 elements) on, contiguous CPU pairs are copied by
+    the core (``_core.copy_bytes``), not by torch's intra-op thread pool; the values match
+    torch's own copy, also between different shapes of one element count."""
+    n = staging._TORCH_GRAIN
+    for dtype in (torch.float32, torch.float64, torch.int8, torch.bfloat16):
+        src = (torch.arange(n + 3) % 251).to(dtype).reshape(-1, 1)
+        dst = torch.zeros(n + 3, dtype=dtype)
+        staging.copy_into(dst, src)
+        assert torch.equal(dst, src.reshape(-1)), dtype
+    assert torch_copies == []
+    with pytest.raises(ValueError, match="dst has"):
+        staging.copy_into(torch.zeros(n), torch.zeros(n + 1))
+
+
+def test_copy_into_leaves_other_cases_to_torch(torch_copies):
+    """Small tensors (torch copies them on the calling thread), strided ones and lazily
+    negated ones still go through ``copy_``, with correct values."""
+    n = staging._TORCH_GRAIN
+    small = torch.zeros(5)
+    staging.copy_into(small, torch.arange(5.0))
+    strided = torch.zeros(2 * n)[::2]
+    staging.copy_into(strided, torch.arange(float(n)))
+    neg = torch.zeros(n)
+    staging.copy_into(neg, torch.arange(float(n))._neg_view())
+    assert torch_copies == [5, n, n]
+    assert small.tolist() == [0, 1, 2, 3, 4]
+    assert torch.equal(strided, torch.arange(float(n)))
+    assert torch.equal(neg, -torch.arange(float(n)))
+
+
+def test_copy_bytes_checks_its_addresses():
+    from flagos_shm import _core
+
+    src = torch.arange(4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="dst: null"):
+        _core.copy_bytes(0, src.data_ptr(), 16)
+    with pytest.raises(ValueError, match="src: .* wrap around"):
+        _core.copy_bytes(src.data_ptr(), 2**64 - 8, 16)
+    _core.copy_bytes(0, 0, 0)  # nothing to copy: nothing checked beyond the range
+    buf = torch.arange(8, dtype=torch.int32)
+    _core.copy_bytes(buf.data_ptr() + 4, buf.data_ptr(), 16)  # overlapping ranges: a memmove
+    assert buf.tolist() == [0, 0, 1, 2, 3, 5, 6, 7]

@@ -31,9 +31,15 @@ from typing import Optional
 
 import torch
 
-__all__ = ["CORE_DTYPES", "HostBuffer", "PinnedPool", "core_dtype", "check", "stage", "scratch", "pack",
-           "unpack", "concat", "split_into", "finish", "pinned_pool"]
+from . import _core
 
+__all__ = ["CORE_DTYPES", "HostBuffer", "PinnedPool", "core_dtype", "check", "stage", "scratch", "pack",
+           "unpack", "concat", "split_into", "copy_into", "finish", "pinned_pool"]
+
+#: Element count from which torch splits a CPU copy over its intra-op threads
+#: (``at::internal::GRAIN_SIZE``, aten/src/ATen/Parallel.h): :func:`copy_into` copies
+#: such tensors itself.
+_TORCH_GRAIN = 32768
 #: Environment variable: bytes of idle pinned host buffers kept for reuse between calls.
 ENV_PINNED_POOL_BYTES = "FLAGOS_SHM_PINNED_POOL_BYTES"
 #: Default of ``FLAGOS_SHM_PINNED_POOL_BYTES``: 256 MiB.
@@ -135,7 +141,7 @@ class HostBuffer:
         if self._write_back:
             with torch.no_grad():
                 if self._pinned is None:
-                    self.tensor.copy_(self.host)
+                    copy_into(self.tensor, self.host)
                 else:
                     with self._stream:
                         self.tensor.copy_(self.host, non_blocking=True)
@@ -207,8 +213,36 @@ def stage(tensor, arg: str, *, read: bool = True, write: bool = False) -> HostBu
     # the core refuses; torch.empty's memory is aligned (64 bytes).
     host = torch.empty(tensor.shape, dtype=tensor.dtype)
     if read:
-        host.copy_(tensor.resolve_conj().resolve_neg())
+        copy_into(host, tensor.resolve_conj().resolve_neg())
     return HostBuffer(tensor, host, dtype, write_back=write)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for two tensors of the same dtype and element count (the shapes
+    may differ, as between a flat buffer block and a caller's tensor).
+
+    When both are contiguous CPU tensors without lazy negation or conjugation, of at
+    least :data:`_TORCH_GRAIN` elements, the bytes are copied by the core on this thread
+    (``_core.copy_bytes``, GIL released), not by torch, whose CPU copy of that many
+    elements runs on its intra-op thread pool: with several ranks on a node, each with
+    such a pool (``mp.spawn`` leaves the default of one thread per CPU), the threads
+    outnumber the CPUs and one copy of 1 MiB took 7.7 ms instead of 34 us on the AMD EPYC
+    2-vCPU VM (docs/benchmark.md, "torch's copy threads"). Anything else (smaller copies,
+    which torch runs on this thread, strided or device tensors, lazy bits) is
+    ``dst.copy_(src)``.
+
+    Raises:
+        ValueError: the element counts differ (on the core's route; torch's own error
+            otherwise).
+    """
+    numel = src.numel()
+    if (numel >= _TORCH_GRAIN and dst.is_cpu and src.is_cpu and dst.dtype == src.dtype and dst.is_contiguous()
+            and src.is_contiguous() and not (dst.is_neg() or src.is_neg() or dst.is_conj() or src.is_conj())):
+        if dst.numel() != numel:
+            raise ValueError(f"copy_into: dst has {dst.numel()} elements, src {numel}")
+        _core.copy_bytes(dst.data_ptr(), src.data_ptr(), numel * src.element_size())
+        return
+    dst.copy_(src)
 
 
 def scratch(numel: int, dtype: torch.dtype) -> HostBuffer:
@@ -226,7 +260,7 @@ def pack(tensors, count: int, dtype: torch.dtype | None = None) -> HostBuffer:
     buf = scratch(len(tensors) * count, dtype)
     with torch.no_grad():
         for i, t in enumerate(tensors):
-            buf.host[i * count: i * count + t.numel()].copy_(t.reshape(-1))
+            copy_into(buf.host[i * count: i * count + t.numel()], t.reshape(-1))
     return buf
 
 
@@ -235,7 +269,7 @@ def unpack(buf: HostBuffer, tensors, count: int) -> None:
     ``buf`` into ``tensors[i]``; the inverse of :func:`pack`."""
     with torch.no_grad():
         for i, t in enumerate(tensors):
-            t.copy_(buf.host[i * count: i * count + t.numel()].view(t.shape))
+            copy_into(t, buf.host[i * count: i * count + t.numel()].view(t.shape))
 
 
 def concat(tensors, dtype: torch.dtype) -> HostBuffer:
@@ -244,7 +278,7 @@ def concat(tensors, dtype: torch.dtype) -> HostBuffer:
     at = 0
     with torch.no_grad():
         for t in tensors:
-            buf.host[at: at + t.numel()].copy_(t.reshape(-1))
+            copy_into(buf.host[at: at + t.numel()], t.reshape(-1))
             at += t.numel()
     return buf
 
@@ -255,7 +289,7 @@ def split_into(buf: HostBuffer, tensors) -> None:
     at = 0
     with torch.no_grad():
         for t in tensors:
-            t.copy_(buf.host[at: at + t.numel()].view(t.shape))
+            copy_into(t, buf.host[at: at + t.numel()].view(t.shape))
             at += t.numel()
 
 

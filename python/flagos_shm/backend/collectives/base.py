@@ -484,7 +484,9 @@ class CollectiveBase:
         if inp.overlaps(out) and not (own_piece and type(self._comm) is _core.Communicator
                                       and out.nbytes == self._world_size * inp.nbytes
                                       and inp.ptr == out.ptr + self._rank * inp.nbytes):
-            inp = staging.stage(inp.host.clone(), in_arg)
+            copy = staging.scratch(inp.host.numel(), inp.host.dtype)
+            staging.copy_into(copy.host, inp.host.reshape(-1))
+            inp = staging.stage(copy.host.view(inp.host.shape), in_arg)
         return out, inp
 
     def _stage_pairs(self, outputs, inputs) -> list:

@@ -150,7 +150,7 @@ class Reduction(CollectiveBase):
         comm, own = self._comm, parts[self._rank]
         return self._run(name, [out.tensor], [out], [lambda done: comm.allreduce_coalesced(
             [b.ptr for b in parts], [b.nbytes for b in parts], [b.numel for b in parts], [b.dtype for b in parts],
-            a.op, a.factor, a.timeout_s, done)], opts, after=lambda: out.host.reshape(-1).copy_(own.host))
+            a.op, a.factor, a.timeout_s, done)], opts, after=lambda: staging.copy_into(out.host, own.host))
 
     def reduce_scatter_single(self, output, input, opts=None) -> ShmWork:
         """Reduce ``input`` (``world_size * output.numel()`` elements) over all ranks; rank r
