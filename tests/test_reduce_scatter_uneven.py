@@ -69,3 +69,36 @@ def test_ranks_with_different_lists_fail_on_every_rank(worlds, backend):
     results = worlds(3).run(mismatched_lists)
     for r in results:
         assert r["raised"] is not None and r["after"], results
+
+
+def disagreeing_parts(case: str) -> dict:
+    """Ranks that disagree on the parts of one list-form reduce_scatter: the message on
+    every rank must name ``input_tensors[0]`` and this rank's part sizes (the core sees
+    an ``allreduce_coalesced`` or a ``reduce_scatter`` and names only that), and the group
+    must go on working."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    dtype = torch.float32
+    if case == "even_vs_uneven":  # rank 0 even parts, the others uneven
+        sizes = [2] * n if rank == 0 else [2] + [3] * (n - 1)
+    elif case == "dtypes":  # same uneven sizes, rank 1 another dtype
+        sizes, dtype = [1, 3, 2][:n], (torch.float64 if rank == 1 else torch.float32)
+    else:  # "uneven_lists": the lists of mismatched_lists
+        sizes = [1, 3, 2] if rank != 1 else [2, 3, 1]
+    try:
+        dist.reduce_scatter(torch.zeros(sizes[rank], dtype=dtype), [torch.ones(s, dtype=dtype) for s in sizes])
+        raised = None
+    except ValueError as exc:
+        raised = str(exc)
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    return {"raised": raised, "sizes": sizes, "after": t.tolist() == [n * (n + 1) / 2] * 3}
+
+
+@pytest.mark.parametrize("case", ["even_vs_uneven", "dtypes", "uneven_lists"])
+def test_a_disagreement_names_the_input_list_on_every_rank(worlds, backend, case):
+    if backend != "flagos_shm":
+        pytest.skip("what a rank sees of a mismatch is flagos_shm's")
+    results = worlds(3).run(disagreeing_parts, case)
+    for r in results:
+        assert r["after"] and r["raised"] is not None, results
+        assert f"input_tensors[0] (parts of {r['sizes']} elements" in r["raised"], results

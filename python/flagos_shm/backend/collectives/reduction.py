@@ -16,6 +16,27 @@ _REDUCE_SCATTER_OPTIONS = c10d.ReduceScatterOptions
 _UNSET_TIMEOUT = options._UNSET_TIMEOUT
 
 
+def _naming(where: str, call):
+    """``call`` (one core call, given its ``done`` argument, as :meth:`~.base.CollectiveBase._run`
+    takes it) with each ``ValueError`` it raises or reports (ranks that disagree) prefixed
+    with ``where``, the caller's argument; other errors (timeouts, aborts) unchanged."""
+    def rename(exc):
+        if not isinstance(exc, ValueError):
+            return exc
+        named = ValueError(f"{where}: {exc}")
+        named.__cause__ = exc
+        return named
+
+    def named_call(done):
+        report = None if done is None else (lambda error, *rest: done(None if error is None else rename(error), *rest))
+        try:
+            return call(report)
+        except ValueError as exc:
+            raise rename(exc) from exc
+
+    return named_call
+
+
 class Reduction(CollectiveBase):
     """allreduce, allreduce_coalesced, reduce, reduce_scatter, reduce_scatter_single(_coalesced)."""
 
@@ -112,8 +133,8 @@ class Reduction(CollectiveBase):
 
         Raises:
             ValueError: ``input_tensors[0][rank]`` does not have the output's element count;
-                ranks whose lists of counts differ (uneven lists: on every rank, naming the
-                tensor).
+                ranks whose lists of counts or dtypes differ (on every rank, naming
+                ``input_tensors[0]`` and this rank's part sizes; the group stays usable).
 
         Uneven counts run as one coalesced allreduce of all n parts (each rank keeps its
         own): n times the bytes of an even reduce-scatter, for a call that is rare; the
@@ -136,21 +157,25 @@ class Reduction(CollectiveBase):
                                  f"elements (this rank's part), got {mine}")
             options.check_op(a.op, out, "output_tensors[0]")
         comm = self._comm
+        # Even and uneven lists are different core calls: a rank whose list differs from
+        # the others' is told so by the core in terms of those calls; name the argument.
+        where = f"input_tensors[0] (parts of {[t.numel() for t in ins]} elements of {out.tensor.dtype} on this rank)"
         if any(t.numel() != mine for t in ins):
-            return self._reduce_scatter_uneven(name, out, ins, a, opts)
+            return self._reduce_scatter_uneven(name, out, ins, a, opts, where)
         src = staging.pack(ins, out.tensor.numel())
-        return self._run(name, [out.tensor], [out], [lambda done: comm.reduce_scatter(
-            src.ptr, src.nbytes, out.ptr, out.nbytes, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done)], opts)
+        return self._run(name, [out.tensor], [out], [_naming(where, lambda done: comm.reduce_scatter(
+            src.ptr, src.nbytes, out.ptr, out.nbytes, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done))],
+            opts)
 
-    def _reduce_scatter_uneven(self, name, out, ins, a, opts) -> ShmWork:
+    def _reduce_scatter_uneven(self, name, out, ins, a, opts, where: str) -> ShmWork:
         """:meth:`reduce_scatter` with parts of different sizes: every part reduced by one
         ``allreduce_coalesced`` of copies of them (the caller's inputs stay unchanged), this
         rank's part then copied into ``out``."""
         parts = [staging.pack([t], t.numel()) for t in ins]
         comm, own = self._comm, parts[self._rank]
-        return self._run(name, [out.tensor], [out], [lambda done: comm.allreduce_coalesced(
+        return self._run(name, [out.tensor], [out], [_naming(where, lambda done: comm.allreduce_coalesced(
             [b.ptr for b in parts], [b.nbytes for b in parts], [b.numel for b in parts], [b.dtype for b in parts],
-            a.op, a.factor, a.timeout_s, done)], opts, after=lambda: staging.copy_into(out.host, own.host))
+            a.op, a.factor, a.timeout_s, done))], opts, after=lambda: staging.copy_into(out.host, own.host))
 
     def reduce_scatter_single(self, output, input, opts=None) -> ShmWork:
         """Reduce ``input`` (``world_size * output.numel()`` elements) over all ranks; rank r
