@@ -29,8 +29,10 @@
 //! expected size in `ack_bytes` before it): status 0 matched (or stashed), 1 size mismatch.
 //! The sender's `send` returns only after that acknowledgement, so a size mismatch raises on
 //! both sides (the receiver drains the message so the ring stays usable). A send therefore
-//! completes when the matching receive has started (as with Gloo or NCCL), while the ring
-//! lets up to `slots` chunks go ahead of the receiver.
+//! completes when the matching receive has started (as with Gloo or NCCL), or when a receive
+//! of another tag has stashed the message (then no receive may ever match it: unlike Gloo's,
+//! such a send does not time out), while the ring lets up to `slots` chunks go ahead of the
+//! receiver.
 //!
 //! Waiting spins briefly, yields, then sleeps on a per-ring futex word (`bell`, bumped only
 //! when someone sleeps) in slices of at most [`SLEEP_SLICE`], checking between slices the

@@ -14,7 +14,8 @@ Every operation runs on a worker thread of its own (peer, direction) — one for
 peer, one for receives from it, one for ``recv_anysource`` — never on the group's
 collective progress thread, so two ranks that each ``isend`` then ``irecv`` large messages
 make progress. A synchronous ``send``/``recv`` is the same operation waited for. A send
-completes when the matching receive has taken the message (as with Gloo and NCCL); a
+completes when the matching receive has taken the message (as with Gloo and NCCL), or when
+a receive of another tag from this rank has read it ahead (``docs/p2p.md``, Completion); a
 receive of another size raises ``ValueError`` on both ranks; a dead or closing peer, an
 abort, the group's timeout or Ctrl-C in ``Work.wait()`` raise ``RuntimeError`` naming the
 peer. Device tensors are staged through pinned host memory like the collectives' tensors
