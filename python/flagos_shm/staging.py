@@ -30,6 +30,7 @@ import threading
 from typing import Optional
 
 import torch
+from torch.autograd.graph import increment_version as _increment_version
 
 from . import _core
 
@@ -229,7 +230,7 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     outnumber the CPUs and one copy of 1 MiB took 7.7 ms instead of 34 us on the AMD EPYC
     2-vCPU VM (docs/benchmark.md, "torch's copy threads"). Anything else (smaller copies,
     which torch runs on this thread, strided or device tensors, lazy bits) is
-    ``dst.copy_(src)``.
+    ``dst.copy_(src)``. Either way ``dst``'s autograd version counter goes up.
 
     Raises:
         ValueError: the element counts differ (on the core's route; torch's own error
@@ -241,6 +242,9 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         if dst.numel() != numel:
             raise ValueError(f"copy_into: dst has {dst.numel()} elements, src {numel}")
         _core.copy_bytes(dst.data_ptr(), src.data_ptr(), numel * src.element_size())
+        # As copy_ does: autograd then sees that dst changed (a tensor saved for backward
+        # and overwritten here raises at backward instead of giving a wrong gradient).
+        _increment_version(dst)
         return
     dst.copy_(src)
 
