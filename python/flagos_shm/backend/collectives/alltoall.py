@@ -85,7 +85,8 @@ class AllToAll(CollectiveBase):
         out for this case; returns what :meth:`all_to_all_single` would, or
         :data:`~.base.SLOW` (nothing done) for any other call (which the full path then
         checks, stages or refuses)."""
-        if type(opts) is not _ALLTOALL_OPTIONS or self._pending or self._closed or self._coalesced is not None:
+        if (type(opts) is not _ALLTOALL_OPTIONS or (self._pending and self._writing_back()) or self._closed
+                or self._coalesced is not None):
             return SLOW
         dtype = fast_dtype(input)
         if dtype is None or fast_dtype(output) is None or output.dtype != input.dtype or opts.timeout != _UNSET_TIMEOUT:

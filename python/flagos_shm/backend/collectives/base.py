@@ -272,6 +272,15 @@ class CollectiveBase:
             for _ in range(last + 1):
                 self._inflight.popleft()
 
+    def _writing_back(self) -> bool:
+        """Whether an earlier async work still has to write outputs back (``_pending``): a
+        fast path then returns :data:`SLOW` (the full path orders after it). Completed
+        works are forgotten here too, not only on the full path, so one such call does not
+        keep every later call off the fast paths. Call it as ``self._pending and
+        self._writing_back()`` (nothing to do when the list is empty)."""
+        self._pending = [(w, e) for w, e in self._pending if not w.is_completed()]
+        return bool(self._pending)
+
     def _prune_inflight(self) -> None:
         """Forget the finished works at the front of ``_inflight`` (they finish in order)."""
         while self._inflight and self._inflight[0][0].is_completed():
@@ -327,7 +336,8 @@ class CollectiveBase:
         ``opts_type`` without a per-call timeout, nothing pending or coalescing, an open
         group, both tensors taken by :func:`fast_dtype`, of one dtype, ``small`` not empty
         and ``big`` exactly ``world_size`` times it. Returns the core dtype, or None."""
-        if type(opts) is not opts_type or self._pending or self._closed or self._coalesced is not None:
+        if (type(opts) is not opts_type or (self._pending and self._writing_back()) or self._closed
+                or self._coalesced is not None):
             return None
         dtype = fast_dtype(small)
         if (dtype is None or fast_dtype(big) is None or big.dtype != small.dtype or opts.timeout != _UNSET_TIMEOUT

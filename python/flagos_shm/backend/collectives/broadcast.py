@@ -44,7 +44,8 @@ class OneToAll(CollectiveBase):
         a root in the group, no per-call timeout, nothing pending or coalescing, an open
         group. Returns what :meth:`broadcast` would, or :data:`~.base.SLOW` (nothing done)."""
         if (type(tensors) is not list or len(tensors) != 1 or type(opts) is not _BROADCAST_OPTIONS
-                or self._pending or self._closed or self._coalesced is not None):
+                or (self._pending and self._writing_back()) or self._closed
+                or self._coalesced is not None):
             return SLOW
         t = tensors[0]
         dtype = fast_dtype(t)

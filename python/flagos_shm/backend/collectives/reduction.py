@@ -65,7 +65,8 @@ class Reduction(CollectiveBase):
         inline or queued (:meth:`~.base.CollectiveBase._fast_call`); returns what
         :meth:`allreduce` would, or :data:`~.base.SLOW` (nothing done) for any other call."""
         if (type(tensors) is not list or len(tensors) != 1 or type(opts) is not _ALLREDUCE_OPTIONS
-                or self._pending or self._closed or self._coalesced is not None):
+                or (self._pending and self._writing_back()) or self._closed
+                or self._coalesced is not None):
             return SLOW
         t = tensors[0]
         dtype = fast_dtype(t)
