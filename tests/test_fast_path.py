@@ -12,6 +12,7 @@ import contextlib
 import pytest
 import torch
 import torch.distributed as dist
+from stage_probe import counting_stages
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -20,29 +21,16 @@ pytestmark = pytest.mark.timeout(120)
 def staging_counted():
     """Within: ``count(fn)`` runs ``fn`` and returns ``(its result, how many tensors it
     staged)`` (``staging.stage`` calls; the fast paths make none)."""
-    from flagos_shm import staging
-
-    staged = []
-    real = staging.stage
-    staging.stage = lambda *a, **k: staged.append(a[1]) or real(*a, **k)
-
-    def count(fn):
-        staged.clear()
-        return fn(), len(staged)
-    try:
+    with counting_stages() as staged:
+        def count(fn):
+            staged.clear()
+            return fn(), len(staged)
         yield count
-    finally:
-        staging.stage = real
 
 
 def fast_and_full_paths():
-    from flagos_shm import staging
-
     rank, n = dist.get_rank(), dist.get_world_size()
-    staged = []
-    real = staging.stage
-    staging.stage = lambda *a, **k: staged.append(a[1]) or real(*a, **k)
-    try:
+    with counting_stages() as staged:
         out = {}
         t = torch.full((5,), float(rank + 1))
         dist.all_reduce(t.clone())  # the first (op, dtype) pair is checked by the full path
@@ -71,8 +59,6 @@ def fast_and_full_paths():
         dist.all_reduce(i, op=dist.ReduceOp.PRODUCT)
         out["int"] = i.tolist() == [2, 2, 2]
         return out
-    finally:
-        staging.stage = real
 
 
 @pytest.mark.parametrize("route", ["auto", "process_group"])

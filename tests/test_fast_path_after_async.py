@@ -10,21 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from stage_probe import counting_stages
 
 pytestmark = pytest.mark.timeout(120)
 
 
 def fast_after_async_write_back() -> dict:
     """Each case: (result as expected, tensors staged by the fast-path call)."""
-    from flagos_shm import staging
-
     rank, n = dist.get_rank(), dist.get_world_size()
-    staged = []
-    real = staging.stage
-    staging.stage = lambda *a, **k: staged.append(a[1]) or real(*a, **k)
     out = {}
     dist.all_reduce(torch.ones(4))  # a first (op, dtype) takes the full path once (check_op)
-    try:
+    with counting_stages() as staged:
         for name in ("allreduce", "all_to_all_single", "broadcast", "all_gather_into_tensor"):
             pieces = [torch.zeros(3) for _ in range(n)]
             dist.all_gather(pieces, torch.full((3,), float(rank)), async_op=True).wait()
@@ -47,8 +43,6 @@ def fast_after_async_write_back() -> dict:
                 dist.all_gather_into_tensor(t, torch.full((2,), float(rank)))
                 ok = ok and t.tolist() == [float(q) for q in range(n) for _ in range(2)]
             out[name] = (ok, len(staged))
-    finally:
-        staging.stage = real
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from stage_probe import counting_stages
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -20,14 +21,10 @@ def rank_in_place(k: int) -> dict:
 
     from torch._C import _distributed_c10d as c10d
 
-    from flagos_shm import staging
     from flagos_shm.backend import shm_part
 
     rank, n = dist.get_rank(), dist.get_world_size()
-    staged = []
-    real = staging.stage
-    staging.stage = lambda *a, **kw: staged.append(a[1]) or real(*a, **kw)
-    try:
+    with counting_stages() as staged:
         want = torch.cat([torch.arange(k, dtype=torch.float32) + 1000 * r for r in range(n)])
         out = torch.full((n * k,), -1.0)
         out[rank * k:(rank + 1) * k] = torch.arange(k, dtype=torch.float32) + 1000 * rank
@@ -51,8 +48,6 @@ def rank_in_place(k: int) -> dict:
         dist.all_gather_into_tensor(out2[:n * k], out2[1:k + 1])
         shifted = (torch.equal(out2[:n * k], want), len(staged))
         return {"exact": exact, "exact_full": exact_full, "shifted": shifted}
-    finally:
-        staging.stage = real
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
