@@ -54,8 +54,10 @@ FALLBACK: Dict[str, Optional[int]] = {"one_shot_max_bytes": 256 << 10,
 #: Sizes S (bytes) the calibration measures (larger messages follow the largest): a 4x
 #: grid, so a threshold falls at the geometric middle (2x) between two measured sizes.
 GRID = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
-#: An alternative is chosen only when it is faster by this factor at its size and every
-#: larger measured size: near a boundary the default stays, so noise does not flip plans.
+#: A single-copy path is chosen only when it is faster than the slots by this factor at
+#: its size and every larger measured size, and one-shot allreduce is kept only where it
+#: is faster than two-step by this factor at its size and every smaller one: near a
+#: boundary the default (slots; two-step) stays, so noise does not flip plans.
 MARGIN = 0.85
 ROUNDS = 5  # timed rounds (each runs every variant of every case once, alternating)
 #: Calls per variant and round, back to back; the last one is timed. The first call after
@@ -263,12 +265,27 @@ def _switch(base: List[float], alt: List[float], grid) -> Optional[int]:
     return None if k == len(grid) else grid[k] // 2
 
 
+def _keep_below(small: List[float], large: List[float], grid) -> Optional[int]:
+    """The threshold up to which ``small`` (the algorithm with fewer synchronisations)
+    stays, given that it wins clearly at that size and every smaller measured size (the
+    geometric middle below the first size where it does not), or None when it wins
+    clearly at every measured size. Below the smallest measured size it always stays."""
+    k = 0
+    while k < len(grid) and small[k] < MARGIN * large[k]:
+        k += 1
+    return None if k == len(grid) else grid[k] // 2
+
+
 def decide(measured: Dict[str, Dict[str, List[float]]], grid=GRID) -> dict:
     """The plan implied by :func:`calibrate`'s figures; a pure function, so ranks holding
     the same figures derive the same plan."""
     ar = measured["allreduce"]
-    two = _switch(ar["one_shot"], ar["two_step"], grid)
-    one_shot_max = (1 << 62) if two is None else two
+    # One-shot only while it wins clearly from the smallest size up; above, the two-step
+    # one, which moves 2(n-1)/n of S per rank where one-shot moves n - 1 times S: where
+    # the two tie (a calibration in one of the VM's slow phases, when every transfer
+    # between the CPUs is slow), the one that scales is kept, not the one with one sync.
+    keep = _keep_below(ar["one_shot"], ar["two_step"], grid)
+    one_shot_max = (1 << 62) if keep is None else keep
     slots = [o if s <= one_shot_max else t for s, o, t in zip(grid, ar["one_shot"], ar["two_step"])]
     plan = {"one_shot_max_bytes": one_shot_max}
     for op, key, base in (("allreduce", KEYS[1], slots),
