@@ -66,7 +66,7 @@ ROUNDS = 5  # timed rounds (each runs every variant of every case once, alternat
 #: AMD EPYC VM single calls had the one-shot allreduce ahead at 1 MiB in 1 MiB slots,
 #: where back-to-back calls run the two-step one in 91-96 us against 126-131 us.
 BURST = 2
-CACHE_SCHEMA = 2  # 2: bursts, and 16 MiB in the grid
+CACHE_SCHEMA = 3  # 2: bursts, and 16 MiB in the grid; 3: the one-shot rule of decide()
 #: A calibration is cached only if the 1-minute load average was at most
 #: max(CPU count, group size) + this when it ended.
 BUSY_MARGIN = 1.0
