@@ -3,6 +3,8 @@ reduce-scatter (one core collective per batch)."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch._C import _distributed_c10d as c10d
 
@@ -16,14 +18,15 @@ _REDUCE_SCATTER_OPTIONS = c10d.ReduceScatterOptions
 _UNSET_TIMEOUT = options._UNSET_TIMEOUT
 
 
-def _naming(where: str, call):
+def _naming(where: Callable[[], str], call):
     """``call`` (one core call, given its ``done`` argument, as :meth:`~.base.CollectiveBase._run`
     takes it) with each ``ValueError`` it raises or reports (ranks that disagree) prefixed
-    with ``where``, the caller's argument; other errors (timeouts, aborts) unchanged."""
+    with ``where()``, the caller's argument (built only then); other errors (timeouts,
+    aborts) unchanged."""
     def rename(exc):
         if not isinstance(exc, ValueError):
             return exc
-        named = ValueError(f"{where}: {exc}")
+        named = ValueError(f"{where()}: {exc}")
         named.__cause__ = exc
         return named
 
@@ -160,7 +163,8 @@ class Reduction(CollectiveBase):
         comm = self._comm
         # Even and uneven lists are different core calls: a rank whose list differs from
         # the others' is told so by the core in terms of those calls; name the argument.
-        where = f"input_tensors[0] (parts of {[t.numel() for t in ins]} elements of {out.tensor.dtype} on this rank)"
+        def where() -> str:
+            return f"input_tensors[0] (parts of {[t.numel() for t in ins]} elements of {out.tensor.dtype} on this rank)"
         if any(t.numel() != mine for t in ins):
             return self._reduce_scatter_uneven(name, out, ins, a, opts, where)
         src = staging.pack(ins, out.tensor.numel())
@@ -168,7 +172,7 @@ class Reduction(CollectiveBase):
             src.ptr, src.nbytes, out.ptr, out.nbytes, out.numel, out.dtype, a.op, a.factor, a.timeout_s, done))],
             opts)
 
-    def _reduce_scatter_uneven(self, name, out, ins, a, opts, where: str) -> ShmWork:
+    def _reduce_scatter_uneven(self, name, out, ins, a, opts, where: Callable[[], str]) -> ShmWork:
         """:meth:`reduce_scatter` with parts of different sizes: every part reduced by one
         ``allreduce_coalesced`` of copies of them (the caller's inputs stay unchanged), this
         rank's part then copied into ``out``."""
