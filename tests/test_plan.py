@@ -81,21 +81,60 @@ def test_decide_on_the_slow_phase_calibration_keeps_two_step_for_large_allreduce
     assert p["allreduce_single_copy_min_bytes"] == grid[4] // 2  # single-copy still won at 16 MiB
 
 
+#: A calibration in one of the AMD EPYC VM's slow phases: the allreduce figures of
+#: 2026-12-01 23:53 UTC; the allgather / reduce-scatter ones scaled from the phase monitor
+#: of 2026-12-02 01:00 UTC (slots 260-330 us at 1 MiB, single-copy 110-122 us).
+SLOW = {"allreduce": {"one_shot": [36.32, 138.97, 446.24, 2085.61, 8345.33],
+                      "two_step": [35.67, 129.91, 476.92, 1961.29, 7689.23],
+                      "single_copy": [43.91, 149.78, 575.11, 2204.7, 4619.29]},
+        "allgather": {"slots": [25.0, 80.0, 300.0, 1200.0, 4800.0],
+                      "single_copy": [12.0, 35.0, 115.0, 450.0, 1800.0]},
+        "reduce_scatter": {"slots": [30.0, 95.0, 330.0, 1300.0, 5200.0],
+                           "single_copy": [15.0, 45.0, 140.0, 520.0, 2100.0]}}
+
+
 def test_cache_round_trip_ignores_corrupt_and_foreign_entries(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("FLAGOS_SHM_CACHE_DIR", raising=False)
     key = plan.machine_key(2, 262144, True)
     assert plan.load_cached(key) is None
-    p = dict(plan.FALLBACK, allreduce_single_copy_min_bytes=None)
-    path = plan.store_cached(key, p, {"allreduce": {}})
-    assert path and path.startswith(str(tmp_path / "flagos_shm")) and plan.load_cached(key) == p
+    runs = [{"epoch": 1.0, "measured_us": SLOW}]
+    path = plan.store_cached(key, runs)
+    assert path and path.startswith(str(tmp_path / "flagos_shm"))
+    assert plan.load_cached(key) == {"plan": plan.decide(SLOW), "runs": runs}
     assert plan.load_cached(plan.machine_key(4, 262144, True)) is None
     assert [f for f in os.listdir(tmp_path / "flagos_shm") if f.startswith(".plan-")] == []
+    good = json.load(open(path))
+    short = json.loads(json.dumps(SLOW))
+    short["allgather"]["slots"].pop()
+    nan = json.loads(json.dumps(SLOW))
+    nan["reduce_scatter"]["slots"][0] = float("nan")
+    missing = {k: v for k, v in SLOW.items() if k != "allgather"}
     for garbage in ("{not json", json.dumps({"key": key, "plan": {"one_shot_max_bytes": -1}}),
-                    json.dumps({"key": "other", "plan": p})):
+                    json.dumps(dict(good, key="other")), json.dumps(dict(good, runs=[])),
+                    json.dumps(dict(good, runs=runs * (plan.SETTLE_RUNS + 1))),
+                    *(json.dumps(dict(good, runs=[{"epoch": 1.0, "measured_us": m}])) for m in (short, nan, missing)),
+                    json.dumps(dict(good, runs=[{"measured_us": SLOW}]))):
         with open(path, "w") as fh:
             fh.write(garbage)
-        assert plan.load_cached(key) is None
+        assert plan.load_cached(key) is None, garbage
+
+
+def test_merge_keeps_each_case_s_fastest_run():
+    fast = json.loads(json.dumps(SLOW))
+    for op in fast.values():
+        for name, v in op.items():
+            op[name] = [x / (6.0 if name == "slots" or name == "two_step" else 1.5) for x in v]
+    fast["allgather"]["slots"][0] = 1e6  # one disturbed case in the fast run
+    m = plan.merge([SLOW, fast])
+    assert m["allgather"]["slots"] == [SLOW["allgather"]["slots"][0]] + fast["allgather"]["slots"][1:]
+    assert m["allreduce"]["one_shot"] == fast["allreduce"]["one_shot"]
+    # the slow phase alone chooses single-copy from 32 KiB; merged with a fast run, slots
+    assert plan.decide(SLOW)["allgather_single_copy_min_bytes"] == plan.GRID[0] // 2
+    assert plan.decide(m)["allgather_single_copy_min_bytes"] is None
+    # a variant missing from one run is left out (decide then keeps the slots)
+    no_copy = {op: {k: v for k, v in d.items() if k != "single_copy"} for op, d in fast.items()}
+    assert "single_copy" not in plan.merge([SLOW, no_copy])["allgather"]
 
 
 def _group_plan(env: dict, allreduce_bytes: int = 1 << 20):
@@ -139,6 +178,59 @@ def test_plan_is_measured_once_cached_and_the_same_on_every_rank(worlds, backend
     assert all(r["correct"] for r in first + second)
     files = os.listdir(tmp_path / "flagos_shm")
     assert len(files) == 1 and files[0].startswith("plan-")
+
+
+def settling(cache: str, epoch: float, groups: int, gap: float):
+    """Seed the cache with the slow-phase run SLOW taken at ``epoch``, then create
+    ``groups`` groups one after the other, with :data:`plan.RUN_GAP_S` = ``gap``; returns
+    each group's plan and source, and the cache entry at the end."""
+    from flagos_shm.backend import shm_part
+
+    import faults
+
+    env = {"FLAGOS_SHM_PLAN": "auto", "FLAGOS_SHM_CACHE_DIR": os.path.join(cache, "flagos_shm")}
+    world = shm_part(dist.distributed_c10d._get_default_group(), "cpu")._comm
+    key = plan.machine_key(dist.get_world_size(), world.slot_bytes, bool(world.single_copy_available))
+    saved, plan.RUN_GAP_S = plan.RUN_GAP_S, gap
+    plan.BUSY_MARGIN = float("inf")  # cache every calibration, however loaded the machine
+    try:
+        with faults.env_override(**env):
+            if dist.get_rank() == 0:
+                plan.store_cached(key, [{"epoch": epoch, "measured_us": SLOW}])
+            dist.barrier()
+            out = [_group_plan(env) for _ in range(groups)]
+            return out, plan.load_cached(key)
+    finally:
+        plan.RUN_GAP_S, plan.BUSY_MARGIN = saved, 1.0
+
+
+def test_a_slow_phase_plan_is_measured_again_and_merged_until_settled(worlds, backend, tmp_path):
+    if backend != "flagos_shm":
+        pytest.skip("flagos_shm's plan")
+    # the seeded run is old enough: the next groups measure again until SETTLE_RUNS runs
+    results = worlds(2).run(settling, str(tmp_path), 1.0, plan.SETTLE_RUNS, 0.0)
+    for groups, _ in results:
+        sources = [g["source"] for g in groups]
+        assert sources == ["calibrated"] * (plan.SETTLE_RUNS - 1) + ["cache"], sources
+        assert all(g["correct"] for g in groups)
+    entry = results[0][1]
+    assert entry is not None and len(entry["runs"]) == plan.SETTLE_RUNS and entry["runs"][0]["measured_us"] == SLOW
+    # each group used the merge of the runs so far, the same on every rank
+    for k, g in enumerate(results[0][0]):
+        upto = entry["runs"][:min(k + 2, plan.SETTLE_RUNS)]
+        want = plan.decide(plan.merge([r["measured_us"] for r in upto]))
+        assert g["plan"] == want == results[1][0][k]["plan"], (k, g, want)
+    assert entry["plan"] == plan.decide(plan.merge([r["measured_us"] for r in entry["runs"]]))
+
+
+def test_a_recent_unsettled_plan_is_used_without_measuring(worlds, backend, tmp_path):
+    if backend != "flagos_shm":
+        pytest.skip("flagos_shm's plan")
+    import time
+
+    for groups, entry in worlds(2).run(settling, str(tmp_path), time.time(), 1, 60.0):
+        assert [g["source"] for g in groups] == ["cache"] and groups[0]["plan"] == plan.decide(SLOW)
+        assert len(entry["runs"]) == 1
 
 
 def test_a_plan_measured_on_a_busy_machine_is_used_but_not_cached(worlds, backend, tmp_path):

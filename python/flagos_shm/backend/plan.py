@@ -14,10 +14,15 @@ When a single-node group is created, its ranks agree on a plan through the group
    the ranks (so every rank holds the same numbers) and every rank derives the same plan
    from them (:func:`decide`); rank 0 writes the cache, unless the machine was busy (load
    average above the CPU count + 1): a plan measured under contention is used by that
-   group but not kept.
+   group but not kept;
+4. a cached plan is settled after :data:`SETTLE_RUNS` calibrations: until then the first
+   group created :data:`RUN_GAP_S` or more after the last calibration measures again,
+   and the plan is decided from the fastest figure of each case over the runs
+   (:func:`merge`), published by rank 0 so every rank merges the same ones. A single
+   calibration can fall into one of the VM's slow phases and choose for it alone.
 
-``FLAGOS_SHM_PLAN`` values: ``auto`` (default), ``calibrate`` (measure again, rewrite the
-cache), ``fallback`` (the core's built-in guess, ``_core`` :data:`FALLBACK`; what the test
+``FLAGOS_SHM_PLAN`` values: ``auto`` (default), ``calibrate`` (measure again, start the
+cache's runs afresh), ``fallback`` (the core's built-in guess, ``_core`` :data:`FALLBACK`; what the test
 suite uses, for speed), or ``key=value`` pairs separated by commas with the keys of
 :data:`KEYS` (short names without ``_min_bytes``/``_bytes`` allowed), values in bytes with
 optional K/M/G suffix or ``never``; missing keys take the fallback's values.
@@ -66,7 +71,18 @@ ROUNDS = 5  # timed rounds (each runs every variant of every case once, alternat
 #: AMD EPYC VM single calls had the one-shot allreduce ahead at 1 MiB in 1 MiB slots,
 #: where back-to-back calls run the two-step one in 91-96 us against 126-131 us.
 BURST = 2
-CACHE_SCHEMA = 3  # 2: bursts, and 16 MiB in the grid; 3: the one-shot rule of decide()
+#: 2: bursts, and 16 MiB in the grid; 3: the one-shot rule of decide(); 4: several runs,
+#: rewritten allgather input.
+CACHE_SCHEMA = 4
+#: A machine's plan is settled after this many calibrations, each taken at the first group
+#: created at least :data:`RUN_GAP_S` after the previous one, their figures merged
+#: (:func:`merge`). One calibration can fall into one of the VM's slow phases: on the AMD
+#: EPYC 2-vCPU VM they came every minute or two and lasted 10-30 s (some minutes, at
+#: times), and in them every slot transfer took 4-8 times as long while single-copy
+#: reads barely slowed, so a plan measured there chose single-copy from 32 KiB and kept it
+#: (docs/benchmark.md, "The VM's placements").
+SETTLE_RUNS = 3
+RUN_GAP_S = 60.0
 #: A calibration is cached only if the 1-minute load average was at most
 #: max(CPU count, group size) + this when it ended.
 BUSY_MARGIN = 1.0
@@ -112,26 +128,52 @@ def valid_plan(plan) -> bool:
     return ok(plan["one_shot_max_bytes"], False) and all(ok(plan[k], True) for k in SINGLE_COPY_KEYS)
 
 
+def _valid_runs(runs) -> bool:
+    """Whether ``runs`` is a non-empty list of at most :data:`SETTLE_RUNS` calibration
+    records (``{"epoch": seconds, "measured_us": {op: {variant: [us per size]}}}``) with
+    every case :func:`decide` needs, one positive figure per :data:`GRID` size."""
+    def figures(v):
+        return isinstance(v, list) and len(v) == len(GRID) and all(
+            type(x) in (int, float) and 0 < x < float("inf") for x in v)
+    need = {"allreduce": ("one_shot", "two_step"), "allgather": ("slots",), "reduce_scatter": ("slots",)}
+    if not isinstance(runs, list) or not 0 < len(runs) <= SETTLE_RUNS:
+        return False
+    for run in runs:
+        m = run.get("measured_us") if isinstance(run, dict) else None
+        if not isinstance(m, dict) or type(run.get("epoch")) not in (int, float) or set(m) != set(need):
+            return False
+        for op, names in need.items():
+            if not isinstance(m[op], dict) or not set(names) <= set(m[op]) <= set(names) | {"single_copy"} \
+                    or not all(figures(v) for v in m[op].values()):
+                return False
+    return True
+
+
 def load_cached(key: str) -> Optional[dict]:
-    """The cached plan of ``key``, or None (missing, unreadable or corrupt: ignored)."""
+    """The cache entry of ``key``, ``{"plan": ..., "runs": [...]}`` (see
+    :func:`store_cached`), or None (missing, unreadable or corrupt: ignored)."""
     path = _cache_path(key)
     try:
         with open(path) as fh:
             doc = json.load(fh)
     except (OSError, ValueError):
         return None
-    if not isinstance(doc, dict) or doc.get("key") != key or not valid_plan(doc.get("plan")):
+    if not isinstance(doc, dict) or doc.get("key") != key or not valid_plan(doc.get("plan")) \
+            or not _valid_runs(doc.get("runs")):
         _log.debug("flagos_shm: ignoring corrupt plan cache %s", path)
         return None
-    return doc["plan"]
+    return {"plan": doc["plan"], "runs": doc["runs"]}
 
 
-def store_cached(key: str, plan: dict, measured: dict) -> Optional[str]:
-    """Write the cache entry of ``key`` atomically (a temporary file renamed over it, so
-    concurrent writers and readers never see a partial file). Returns the path, or None
-    when the directory is not writable (then the next group measures again)."""
+def store_cached(key: str, runs: List[dict]) -> Optional[str]:
+    """Write the cache entry of ``key``: the calibrations ``runs`` (each ``{"epoch":
+    seconds since the epoch, "measured_us": figures of calibrate()}``, at most
+    :data:`SETTLE_RUNS`) and the plan :func:`decide` takes from their :func:`merge`.
+    Written atomically (a temporary file renamed over it, so concurrent writers and
+    readers never see a partial file). Returns the path, or None when the directory is
+    not writable (then the next group measures again)."""
     path = _cache_path(key)
-    doc = {"key": key, "plan": plan, "measured_us": measured,
+    doc = {"key": key, "plan": decide(merge([r["measured_us"] for r in runs])), "runs": runs,
            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -215,15 +257,25 @@ def calibrate(comm, grid=GRID, rounds: int = ROUNDS, burst: int = BURST) -> Dict
     least disturbed estimate), the same on every rank (MAX over ranks). Leaves the
     fallback plan set.
 
+    Every call reads input this rank has just written (the allgather's input is rewritten
+    before each call, untimed), as gradients are in training: a single-copy transfer
+    reading data that stayed clean in both CPUs' caches looks faster than it is. On the
+    AMD EPYC 2-vCPU VM, in one of its slow phases, a 1 MiB single-copy allgather took
+    67 us on clean input and 110-122 us on freshly written input (slots: 260-330 us);
+    docs/benchmark.md, "The VM's placements".
+
     Must be called by every rank of the group at the same point of its sequence."""
     import torch
+
+    from .. import _core
 
     n = comm.world_size
     variants = _variants(bool(comm.single_copy_available))
     top = max(grid)
     buf = torch.zeros(top // 4, dtype=torch.float32)
     half = torch.zeros(max(1, top // 4 // n), dtype=torch.float32)
-    cases = []  # (op, variant, size index, call)
+    fresh = torch.ones_like(half)
+    cases = []  # (op, variant, size index, plan, call, pre)
     for i, s in enumerate(grid):
         count = s // 4
         per = max(1, count // n)
@@ -231,18 +283,25 @@ def calibrate(comm, grid=GRID, rounds: int = ROUNDS, burst: int = BURST) -> Dict
         ag = lambda p=per: comm.allgather(half.data_ptr(), p * 4, buf.data_ptr(), p * 4 * n, p, "float32")  # noqa: E731
         rs = lambda p=per: comm.reduce_scatter(buf.data_ptr(), p * 4 * n, half.data_ptr(), p * 4, p,  # noqa: E731
                                                "float32", 0)
-        for op, call in (("allreduce", ar), ("allgather", ag), ("reduce_scatter", rs)):
+        # The allreduce writes its input (in place) and the allgather writes the
+        # reduce-scatter's; the allgather's own input is rewritten here.
+        rewrite = lambda p=per: _core.copy_bytes(half.data_ptr(), fresh.data_ptr(), p * 4)  # noqa: E731
+        for op, call, pre in (("allreduce", ar, None), ("allgather", ag, rewrite), ("reduce_scatter", rs, None)):
             for name, plan in variants[op]:
-                cases.append((op, name, i, plan, call))
+                cases.append((op, name, i, plan, call, pre))
     times: List[List[float]] = [[] for _ in cases]
     clock = time.perf_counter_ns
     for r in range(rounds + 1):
         order = cases if r % 2 == 0 else cases[::-1]
         index = range(len(cases)) if r % 2 == 0 else range(len(cases) - 1, -1, -1)
-        for j, (_, _, _, plan, call) in zip(index, order):
+        for j, (_, _, _, plan, call, pre) in zip(index, order):
             _set(comm, plan)
             for _ in range(burst - 1):
+                if pre:
+                    pre()
                 call()
+            if pre:
+                pre()
             t0 = clock()
             call()
             if r:
@@ -251,8 +310,20 @@ def calibrate(comm, grid=GRID, rounds: int = ROUNDS, burst: int = BURST) -> Dict
     med = torch.tensor([min(t) for t in times], dtype=torch.float64)
     comm.allreduce(med.data_ptr(), med.numel() * 8, med.numel(), "float64", 4)  # MAX: same on every rank
     out: Dict[str, Dict[str, List[float]]] = {}
-    for (op, name, i, _, _), value in zip(cases, med.tolist()):
+    for (op, name, i, _, _, _), value in zip(cases, med.tolist()):
         out.setdefault(op, {}).setdefault(name, [0.0] * len(grid))[i] = round(value, 2)
+    return out
+
+
+def merge(runs: List[Dict[str, Dict[str, List[float]]]]) -> Dict[str, Dict[str, List[float]]]:
+    """Per case, the fastest of several calibrations' figures (the variants every run
+    has): as within one calibration, other load and the VM's slow phases only add time,
+    so the minimum over runs taken minutes apart is the least disturbed estimate."""
+    out: Dict[str, Dict[str, List[float]]] = {}
+    for op, by_variant in runs[0].items():
+        for name in by_variant:
+            if all(name in run.get(op, {}) for run in runs):
+                out.setdefault(op, {})[name] = [min(v) for v in zip(*(run[op][name] for run in runs))]
     return out
 
 
@@ -323,15 +394,15 @@ def setup(comm, store, rank: int, world_size: int, where: str) -> Tuple[dict, st
     key, source = outcome.get("key"), outcome["source"]
     if source == "calibrate":
         t0 = time.perf_counter()
-        measured = calibrate(comm)
-        plan, source = decide(measured), "calibrated"
+        runs = outcome.get("runs", []) + [{"epoch": round(time.time(), 1), "measured_us": calibrate(comm)}]
+        plan, source = decide(merge([r["measured_us"] for r in runs])), "calibrated"
         if rank == 0:
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
             # Measured while other processes compete for the CPUs: use it, do not keep it.
             busy = load > max(os.cpu_count() or 1, world_size) + BUSY_MARGIN
-            path = None if busy else store_cached(key, plan, measured)
-            _log.debug("flagos_shm: calibrated in %.3f s (%s, load %.1f): %s; %s",
-                       time.perf_counter() - t0, key, load, measured,
+            path = None if busy else store_cached(key, runs)
+            _log.debug("flagos_shm: calibration %d of %d in %.3f s (%s, load %.1f): %s; %s", len(runs), SETTLE_RUNS,
+                       time.perf_counter() - t0, key, load, runs[-1]["measured_us"],
                        f"cached in {path}" if path else "not cached (machine busy or cache not writable)")
     else:
         plan = outcome["plan"]
@@ -359,9 +430,13 @@ def _resolve(comm, store, world_size: int, mine: str) -> str:
         return json.dumps({"source": "fallback", "plan": FALLBACK})
     key = machine_key(world_size, comm.slot_bytes, bool(comm.single_copy_available))
     cached = load_cached(key) if asked == "auto" else None
-    if cached is not None:
-        return json.dumps({"source": "cache", "plan": cached, "key": key})
-    return json.dumps({"source": "calibrate", "key": key})
+    if cached is None:
+        return json.dumps({"source": "calibrate", "key": key})
+    runs = cached["runs"]
+    if len(runs) < SETTLE_RUNS and time.time() - runs[-1]["epoch"] >= RUN_GAP_S:
+        # not settled: measure once more and merge (every rank merges the same runs)
+        return json.dumps({"source": "calibrate", "key": key, "runs": runs})
+    return json.dumps({"source": "cache", "plan": cached["plan"], "key": key})
 
 
 def describe(plan: dict) -> str:
