@@ -164,6 +164,10 @@ struct PyCommunicator {
     /// Whether every rank can read every peer's memory (probed at attach; `FLAGOS_SHM_CMA`).
     #[pyo3(get)]
     single_copy_available: bool,
+    /// How this rank copies into its slots: `"plain"`, `"stream"` or `"auto"`
+    /// (`FLAGOS_SHM_STREAM`, read at attach; `rust/stream.rs`).
+    #[pyo3(get)]
+    stream_mode: &'static str,
     #[pyo3(get)]
     path: String,
 }
@@ -303,6 +307,7 @@ impl PyCommunicator {
             slot_bytes: comm.slot_bytes(),
             segment_bytes: comm.segment_len(),
             single_copy_available: comm.single_copy_available(),
+            stream_mode: comm.stream_mode().name(),
             inner: Arc::new(Progress::new(comm)),
             owner_pid: std::process::id(),
             pending,

@@ -49,6 +49,8 @@ pub struct Communicator {
     cma_ok: bool,
     /// Per-rank chunk buffers of the single-copy reductions (u64 for alignment).
     pub(crate) scratch: Vec<u64>,
+    /// How this rank copies into its slot: plain or streaming stores ([`crate::stream`]).
+    pub(crate) streamer: crate::stream::Streamer,
 }
 
 fn ms(d: Duration) -> String {
@@ -151,6 +153,7 @@ impl Communicator {
             plan: Plan::FALLBACK,
             cma_ok: false,
             scratch: Vec::new(),
+            streamer: crate::stream::Streamer::new(crate::stream::Mode::from_env()),
         };
         let agreed = comm.probe_cma()?;
         comm.cma_ok = agreed != u64::MAX;
@@ -192,6 +195,18 @@ impl Communicator {
         }
     }
 
+    /// Sets how later calls copy into this rank's slot ([`crate::stream::Mode`]; the
+    /// default is `FLAGOS_SHM_STREAM`'s, read at attach). Ranks need not agree: the kind of
+    /// store changes no byte the peers read.
+    pub fn set_stream_mode(&mut self, mode: crate::stream::Mode) {
+        self.streamer = crate::stream::Streamer::new(mode);
+    }
+
+    /// How later calls copy into this rank's slot ([`Self::set_stream_mode`]).
+    pub fn stream_mode(&self) -> crate::stream::Mode {
+        self.streamer.mode()
+    }
+
     /// Sets the plan of later calls. Every rank of the group must set the same plan before
     /// its next collective: ranks whose plans move a call differently raise `Mismatch`
     /// (the transfer path is in the descriptor).
@@ -212,6 +227,25 @@ impl Communicator {
     }
 
     /// Whether an allreduce of `bytes` takes the one-shot slot algorithm.
+    /// Copies `n` bytes from `src` into this rank's slot at `dst`, with the stores the
+    /// streamer chose for the call in progress ([`crate::stream::Streamer`]).
+    ///
+    /// # Safety
+    /// As [`crate::stream::copy_to_slot`].
+    pub(crate) unsafe fn to_slot(&self, dst: *mut u8, src: *const u8, n: usize) {
+        // SAFETY: forwarded from this function's contract.
+        unsafe { crate::stream::copy_to_slot(dst, src, n, self.streamer.streams(n)) }
+    }
+
+    /// Runs the collective `call` of `kind` moving `bytes` (S) between the streamer's
+    /// `begin` and, if it succeeds, `end`, which times it ([`crate::stream::Streamer`]).
+    pub(crate) fn timed<T>(&mut self, kind: Kind, bytes: usize, call: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        self.streamer.begin(kind as usize, bytes);
+        let out = call(self)?;
+        self.streamer.end(bytes);
+        Ok(out)
+    }
+
     pub(crate) fn one_shot(&self, bytes: usize) -> bool {
         self.n < 2 || bytes <= self.plan.one_shot_max
     }

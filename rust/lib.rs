@@ -7,7 +7,8 @@
 //! lengths) → [`group`] (a rank's communicator: attach, probe, step plumbing; [`plan`]: the
 //! thresholds that choose each call's algorithm) →
 //! [`algorithms`] (the collectives' checked face and the slot algorithms) and
-//! [`single_copy`] (the `process_vm_readv` algorithms) → [`progress`] (a per-group thread
+//! [`single_copy`] (the `process_vm_readv` algorithms), both copying into the slots through
+//! [`stream`] (plain or streaming stores, chosen by timing the calls) → [`progress`] (a per-group thread
 //! for asynchronous calls); [`p2p`] (point-to-point channels between two ranks) →
 //! `binding` (PyO3, feature `python`).
 
@@ -24,6 +25,7 @@ pub mod progress;
 pub mod reduce;
 pub mod segment;
 pub mod single_copy;
+pub mod stream;
 pub mod sync;
 
 #[cfg(feature = "python")]

@@ -29,6 +29,9 @@
 //!   rank wrote before arriving at step `s` (its slot, descriptor words, published
 //!   address) is visible to a rank that has seen `arrived >= s`; those writes and reads
 //!   can therefore be plain copies and Relaxed atomics.
+//!   The slot copies may use streaming stores (`crate::stream`), which the Release store
+//!   does not order on x86-64: `stream::copy_to_slot` ends them with `sfence` before it
+//!   returns, so they too are visible before the arrival.
 //! - `cpu`: Relaxed both ways; a scheduling hint, never used for correctness.
 //! - `pid`, `attached`: AcqRel claim / Acquire reads, since they are read during set-up,
 //!   before any step orders them.

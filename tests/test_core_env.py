@@ -19,6 +19,11 @@ from spawn import spawn
 pytestmark = pytest.mark.timeout(180)
 
 CMA_OFF_WORDS = ("off", "False", " no ", "0")
+#: FLAGOS_SHM_STREAM words and the mode the core reads from them (rust/stream.rs).
+STREAM_WORDS = {"0": "plain", "off": "plain", " Never ": "plain", "1": "stream", "always": "stream", "ON": "stream",
+                "auto": "auto", "": "auto", "maybe": "auto"}
+#: Element counts for the streaming checks: odd tails, several 1 MiB slot chunks.
+STREAM_COUNTS = (8192 + 13, (1 << 18) + 5, 3 * (1 << 18) + 1)
 BAD_MIN_BYTES = ("64K", "-1", "1e6", "99999999999999999999999")
 
 
@@ -29,7 +34,7 @@ def _single_copy(group) -> bool:
 
 
 def env_rank(rank: int, world_size: int, tmp: str) -> dict:
-    import flagos_shm  # noqa: F401
+    import flagos_shm
 
     dist.init_process_group("flagos_shm", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
     res = {"control": _single_copy(dist.group.WORLD), "off": {}, "bad": {}}
@@ -47,6 +52,26 @@ def env_rank(rank: int, world_size: int, tmp: str) -> dict:
         except ValueError as exc:
             res["bad"][value] = str(exc)
     del os.environ["FLAGOS_SHM_CMA_MIN_BYTES"]
+    res["stream"] = {}
+    for word, _ in STREAM_WORDS.items():
+        os.environ["FLAGOS_SHM_STREAM"] = word
+        group = dist.new_group(list(range(world_size)))
+        got = {"mode": flagos_shm.backend.shm_part(group)._comm.stream_mode, "values": []}
+        if word in ("0", "1", "auto"):  # the values, through dist.*, of each mode
+            for count in STREAM_COUNTS:
+                for _ in range(17):  # past auto's first probes of both kinds (PROBE_EVERY = 8)
+                    x = torch.arange(count, dtype=torch.float64) * (rank + 1)
+                    dist.all_reduce(x, group=group)
+                    out = torch.empty(world_size * count, dtype=torch.int32)
+                    dist.all_gather_into_tensor(out, torch.arange(count, dtype=torch.int32) + rank * 7, group=group)
+                    want = torch.arange(count, dtype=torch.float64) * (world_size * (world_size + 1) // 2)
+                    got["values"].append(bool(torch.equal(x, want))
+                                         and all(torch.equal(out[r * count:(r + 1) * count],
+                                                             torch.arange(count, dtype=torch.int32) + r * 7)
+                                                 for r in range(world_size)))
+        res["stream"][word] = got
+        dist.destroy_process_group(group)
+    del os.environ["FLAGOS_SHM_STREAM"]
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t)  # the default group is unharmed
     res["sum"] = t.tolist()
@@ -80,3 +105,11 @@ def test_cma_off_words_turn_single_copy_off(results):
                     "the off words cannot be told from the default")
     for rank, res in enumerate(results):
         assert res["off"] == {w: False for w in CMA_OFF_WORDS}, f"rank {rank}: {res['off']}"
+
+
+def test_stream_words_choose_the_mode_and_every_mode_gives_exact_values(results):
+    for rank, res in enumerate(results):
+        assert {w: got["mode"] for w, got in res["stream"].items()} == STREAM_WORDS, rank
+        for word in ("0", "1", "auto"):
+            values = res["stream"][word]["values"]
+            assert values and all(values), (rank, word, values)

@@ -43,14 +43,14 @@ impl Communicator {
             if !two_step {
                 // SAFETY: off + len <= count, so the source range is inside the caller's
                 // buffer; len * es <= slot_bytes, so the destination is in our slot.
-                unsafe { copy_nonoverlapping(buf.add(off * es), mine, len * es) };
+                unsafe { self.to_slot(mine, buf.add(off * es), len * es) };
             } else {
                 // Peers read every piece of our chunk except our own slice [a, b), which
                 // we reduce straight from `buf`. SAFETY: as above, both ranges lie in
                 // [0, len) of the chunk.
                 unsafe {
-                    copy_nonoverlapping(buf.add(off * es), mine, a * es);
-                    copy_nonoverlapping(buf.add((off + b) * es), mine.add(b * es), (len - b) * es);
+                    self.to_slot(mine, buf.add(off * es), a * es);
+                    self.to_slot(mine.add(b * es), buf.add((off + b) * es), (len - b) * es);
                 }
             }
             self.sync(ch.first().then_some(&d))?;

@@ -121,7 +121,7 @@ impl Communicator {
                 let len = c.saturating_sub(off).min(per);
                 // SAFETY: the source lies in piece q of `input` (at + off + len <= at + c);
                 // the destination is sub-slot q: base + (q + 1) * sub <= slot_bytes.
-                unsafe { std::ptr::copy_nonoverlapping(input.add((at + off) * es), slot.add(base + q * sub), len * es) };
+                unsafe { self.to_slot(slot.add(base + q * sub), input.add((at + off) * es), len * es) };
             }
             self.sync(first.then_some(&d))?;
             if first {

@@ -36,9 +36,10 @@ impl Communicator {
             let p = self.next_parity();
             // Our own piece never goes through the slot: the peers do not read it, and we
             // read it where it lies (docs/design.md, "A rank's own data stays where it lies").
-            for q in (0..self.n).filter(|&q| q != self.rank) {
+            let me = self.rank;
+            for q in (0..self.n).filter(|&q| q != me) {
                 // SAFETY: n * len * es <= slot_bytes; source inside `input`.
-                unsafe { copy_nonoverlapping(input.add((q * count + off) * es), self.slot(self.rank, p).add(q * len * es), len * es) };
+                unsafe { self.to_slot(self.slot(self.rank, p).add(q * len * es), input.add((q * count + off) * es), len * es) };
             }
             self.sync(ch.first().then_some(&d))?;
             for (q, s) in srcs.iter_mut().enumerate() {

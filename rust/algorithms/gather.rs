@@ -37,7 +37,7 @@ impl Communicator {
             let at = |c: &Self, r| c.slot_at(r, p, ch.len * es); // the call's place (`rotation`)
                                                                  // SAFETY: range inside the caller's input; len * es <= slot_bytes, so the
                                                                  // destination lies in our slot.
-            unsafe { copy_nonoverlapping(input.add(ch.off * es), at(self, self.rank), ch.len * es) };
+            unsafe { self.to_slot(at(self, self.rank), input.add(ch.off * es), ch.len * es) };
             self.sync(ch.first().then_some(&d))?;
             if root.is_none_or(|q| q == self.rank) {
                 for r in 0..self.n {
@@ -99,7 +99,7 @@ impl Communicator {
             if self.rank == root {
                 for r in 0..self.n {
                     // SAFETY: n * len * es <= slot_bytes; source inside the root's input.
-                    unsafe { copy_nonoverlapping(input.add((r * count + off) * es), self.slot(root, p).add(r * len * es), len * es) };
+                    unsafe { self.to_slot(self.slot(root, p).add(r * len * es), input.add((r * count + off) * es), len * es) };
                 }
             }
             self.sync(ch.first().then_some(&d))?;

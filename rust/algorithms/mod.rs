@@ -122,7 +122,7 @@ impl Communicator {
         }
         // SAFETY: `buf` is valid for reads and writes of its length (`Buf` contract),
         // which the check above showed holds `count` aligned elements.
-        unsafe { self.allreduce_ptrs(buf.as_mut_ptr(), count, dtype, op, factor) }
+        self.timed(Kind::Allreduce, count * dtype.size(), |c| unsafe { c.allreduce_ptrs(buf.as_mut_ptr(), count, dtype, op, factor) })
     }
 
     /// In-place broadcast of `count` elements of `dtype` in `buf` (`nbytes`) from group
@@ -133,7 +133,7 @@ impl Communicator {
             return self.reject(Kind::Broadcast, e);
         }
         // SAFETY: as in `allreduce`; the root only reads `buf`.
-        unsafe { self.broadcast_ptrs(buf.as_ptr() as *mut u8, count, dtype, root) }
+        self.timed(Kind::Broadcast, count * dtype.size(), |c| unsafe { c.broadcast_ptrs(buf.as_ptr() as *mut u8, count, dtype, root) })
     }
 
     /// In-place reduce of `count` elements in `buf` (`nbytes`) to group rank `root`;
@@ -145,7 +145,9 @@ impl Communicator {
             return self.reject(Kind::Reduce, e);
         }
         // SAFETY: as in `allreduce`; non-roots only read `buf`.
-        unsafe { self.reduce_ptrs(buf.as_ptr() as *mut u8, count, dtype, op, factor, root) }
+        self.timed(Kind::Reduce, count * dtype.size(), |c| unsafe {
+            c.reduce_ptrs(buf.as_ptr() as *mut u8, count, dtype, op, factor, root)
+        })
     }
 
     /// Allgather: `input` (`in_nbytes`) holds `count` elements; `output` (`out_nbytes`)
@@ -162,7 +164,7 @@ impl Communicator {
             return self.reject(Kind::Allgather, e);
         }
         // SAFETY: both buffers are valid for their checked lengths (`Buf` contract).
-        unsafe { self.allgather_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype) }
+        self.timed(Kind::Allgather, self.n * count * es, |c| unsafe { c.allgather_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype) })
     }
 
     /// Gather to `root`: `input` holds `count` elements; the root's `output` receives
@@ -181,7 +183,9 @@ impl Communicator {
             return self.reject(Kind::Gather, e);
         }
         // SAFETY: as in `allgather`; non-roots never touch `output`.
-        unsafe { self.gather_ptrs(input.as_ptr(), output.as_ptr() as *mut u8, count, dtype, root) }
+        self.timed(Kind::Gather, self.n * count * es, |c| unsafe {
+            c.gather_ptrs(input.as_ptr(), output.as_ptr() as *mut u8, count, dtype, root)
+        })
     }
 
     /// Scatter from `root`: the root's `input` holds `n * count` elements (non-roots may
@@ -194,7 +198,9 @@ impl Communicator {
             return self.reject(Kind::Scatter, e);
         }
         // SAFETY: as in `allgather`; non-roots never touch `input`.
-        unsafe { self.scatter_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype, root) }
+        self.timed(Kind::Scatter, self.n * count * es, |c| unsafe {
+            c.scatter_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype, root)
+        })
     }
 
     /// Reduce-scatter: `input` holds `n * count` elements; `output` (`count` elements)
@@ -210,7 +216,9 @@ impl Communicator {
             return self.reject(Kind::ReduceScatter, e);
         }
         // SAFETY: as in `allgather`.
-        unsafe { self.reduce_scatter_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype, op, factor) }
+        self.timed(Kind::ReduceScatter, self.n * count * es, |c| unsafe {
+            c.reduce_scatter_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype, op, factor)
+        })
     }
 
     /// All-to-all: `input` and `output` hold `n * count` elements each and must not
@@ -224,7 +232,7 @@ impl Communicator {
             return self.reject(Kind::Alltoall, e);
         }
         // SAFETY: as in `allgather`; the ranges do not overlap (checked above).
-        unsafe { self.alltoall_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype) }
+        self.timed(Kind::Alltoall, bytes, |c| unsafe { c.alltoall_ptrs(input.as_ptr(), output.as_mut_ptr(), count, dtype) })
     }
 }
 

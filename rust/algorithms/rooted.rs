@@ -26,7 +26,7 @@ impl Communicator {
             if self.rank == root {
                 // SAFETY: range inside the caller's buffer; len * es <= slot_bytes, so the
                 // destination lies in our slot at the call's place.
-                unsafe { copy_nonoverlapping(buf.add(ch.off * es), self.slot_at(root, p, ch.len * es), ch.len * es) };
+                unsafe { self.to_slot(self.slot_at(root, p, ch.len * es), buf.add(ch.off * es), ch.len * es) };
             }
             self.sync(ch.first().then_some(&d))?;
             if self.rank != root {
@@ -67,7 +67,7 @@ impl Communicator {
                 // Only the root reads the slots; its own data stays in its buffer.
                 // SAFETY: len * es <= slot_bytes, so the destination lies in our slot at
                 // the call's place; the source is `own`, inside the caller's buffer.
-                unsafe { copy_nonoverlapping(own, self.slot_at(self.rank, p, ch.len * es), ch.len * es) };
+                unsafe { self.to_slot(self.slot_at(self.rank, p, ch.len * es), own, ch.len * es) };
             }
             self.sync(ch.first().then_some(&d))?;
             if self.rank == root {

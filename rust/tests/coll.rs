@@ -6,6 +6,8 @@
 use flagos_shm::algorithms::COALESCE_MAX_BYTES;
 use flagos_shm::reduce::{DType, ReduceOp};
 use flagos_shm::segment;
+use flagos_shm::stream::Mode;
+use flagos_shm::Plan;
 use flagos_shm::{Buf, Communicator, Error};
 use std::sync::Arc;
 use std::time::Duration;
@@ -399,5 +401,56 @@ fn two_step_allreduce_over_many_sub_blocks_and_odd_tails_is_exact() {
                 }
             }
         });
+    }
+}
+
+#[test]
+fn streaming_stores_give_the_bytes_plain_ones_do_at_odd_sizes_and_offsets() {
+    // Copies into the slots with streaming stores (`stream.rs`: a plain head up to the
+    // slot's 16-byte boundary, 64-byte blocks, a plain tail, then sfence before the
+    // arrival) against per-element formulas, for every slot collective, with inputs at
+    // odd element offsets and counts whose chunks end mid-block; each rank picks its
+    // mode, so mixed groups (one rank streaming, one not) are covered too.
+    const SLOT64K: usize = 64 * 1024;
+    for n in [2usize, 3] {
+        for modes in [[Mode::Stream; 3], [Mode::Plain, Mode::Stream, Mode::Auto], [Mode::Auto; 3]] {
+            with_group(n, SLOT64K, move |me, c| {
+                c.set_stream_mode(modes[me]);
+                for (k, len) in [5003usize, 8192 + 13, 40_000 + 7].into_iter().enumerate() {
+                    for two_step in [false, true] {
+                        c.set_plan(Plan { one_shot_max: if two_step { 0 } else { usize::MAX }, ..Plan::FALLBACK });
+                        // one element in, so the source is not 16-byte aligned
+                        let mut v: Vec<i64> = (0..=len).map(|i| (me * 1_000_003 + k * 7919 + i) as i64).collect();
+                        c.allreduce(Buf::from_elems_mut(&mut v[1..]), len, DType::I64, ReduceOp::Sum, 1.0).unwrap();
+                        for i in 0..len {
+                            let want: i64 = (0..n).map(|r| (r * 1_000_003 + k * 7919 + i + 1) as i64).sum();
+                            assert_eq!(v[i + 1], want, "allreduce two_step={two_step} len {len} element {i}");
+                        }
+                    }
+                    let f = |q: usize, i: usize| (q * 100_000 + k * 31 + i) as i32;
+                    let mine: Vec<i32> = (0..=len).map(|i| f(me, i.wrapping_sub(1))).collect();
+                    let mut all = vec![0i32; n * len];
+                    c.allgather(Buf::from_elems(&mine[1..]), Buf::from_elems_mut(&mut all), len, DType::I32).unwrap();
+                    for q in 0..n {
+                        assert!((0..len).all(|i| all[q * len + i] == f(q, i)), "allgather len {len} piece {q}");
+                    }
+                    let root = k % n;
+                    let mut b: Vec<i32> = (0..len).map(|i| if me == root { f(root, i) } else { -1 }).collect();
+                    c.broadcast(Buf::from_elems_mut(&mut b), len, DType::I32, root).unwrap();
+                    assert!((0..len).all(|i| b[i] == f(root, i)), "broadcast len {len}");
+                    let g = |src: usize, dst: usize, i: usize| (src * 1_000_000 + dst * 10_000 + i) as i64;
+                    let input: Vec<i64> = (0..n).flat_map(|q| (0..len).map(move |i| g(me, q, i))).collect();
+                    let mut out = vec![0i64; n * len];
+                    c.alltoall(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), len, DType::I64).unwrap();
+                    for q in 0..n {
+                        assert!((0..len).all(|i| out[q * len + i] == g(q, me, i)), "alltoall len {len} from {q}");
+                    }
+                    let mut piece = vec![0i64; len];
+                    c.reduce_scatter(Buf::from_elems(&input), Buf::from_elems_mut(&mut piece), len, DType::I64, ReduceOp::Sum, 1.0)
+                        .unwrap();
+                    assert!((0..len).all(|i| piece[i] == (0..n).map(|q| g(q, me, i)).sum::<i64>()), "reduce_scatter len {len}");
+                }
+            });
+        }
     }
 }

@@ -2,8 +2,9 @@
 
 Each function reads the environment when it is called (group creation or import), so a
 test or a launcher can set a variable before it creates a group. The core (``_core``)
-still reads ``FLAGOS_SHM_CMA``, ``FLAGOS_SHM_CMA_MIN_BYTES`` and ``FLAGOS_SHM_PROGRESS_BATCH``
-itself (see the README).
+still reads ``FLAGOS_SHM_CMA``, ``FLAGOS_SHM_CMA_MIN_BYTES``, ``FLAGOS_SHM_PROGRESS_BATCH`` and
+``FLAGOS_SHM_STREAM`` (plain or streaming stores into the slots, ``rust/stream.rs``) itself
+(see the README).
 
 Variables:
     FLAGOS_SHM_DIR: directory of the shared-memory segments (default ``/dev/shm``).
@@ -58,8 +59,8 @@ ENV_CMA_MIN_BYTES = "FLAGOS_SHM_CMA_MIN_BYTES"
 DEFAULT_DIR = "/dev/shm"
 ROUTES = ("auto", "backend", "process_group")
 
-#: The words that turn a flag off; the core reads FLAGOS_SHM_CMA and FLAGOS_SHM_PROGRESS_BATCH
-#: with the same ones (``rust/env.rs``).
+#: The words that turn a flag off; the core reads FLAGOS_SHM_CMA, FLAGOS_SHM_PROGRESS_BATCH and
+#: FLAGOS_SHM_STREAM with the same ones (``rust/env.rs``).
 _OFF = ("0", "false", "no", "off")
 
 
