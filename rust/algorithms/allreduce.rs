@@ -72,6 +72,9 @@ impl Communicator {
             }
             let reduced = self.slot(self.rank, 1 - p);
             let sub = (SUB_BLOCK_BYTES / es).max(1);
+            if self.scratch.len() * 8 < sub * es {
+                self.scratch = vec![0u64; (sub * es).div_ceil(8)];
+            }
             let mut sliced = vec![std::ptr::null::<u8>(); self.n];
             for s0 in (a..b).step_by(sub) {
                 let k = sub.min(b - s0);
@@ -85,6 +88,21 @@ impl Communicator {
                             srcs[r].add(s0 * es)
                         }
                     };
+                }
+                if self.streamer.streams(k * es) {
+                    // Streaming stores (crate::stream): reduce into private scratch, in L1,
+                    // then stream the block into our slot and copy it to `buf`.
+                    let tmp = self.scratch.as_mut_ptr().cast::<u8>();
+                    // SAFETY: as below for the sources; the scratch holds SUB_BLOCK_BYTES
+                    // (sized before the loop) >= k * es and overlaps nothing else.
+                    unsafe { reduce_raw(&red, tmp, &sliced, k) };
+                    // SAFETY: the block just reduced; our slot of the other parity is ours
+                    // to write now (as below); the destination is inside the caller's buffer.
+                    unsafe {
+                        self.to_slot(reduced.add(s0 * es), tmp, k * es);
+                        copy_nonoverlapping(tmp, buf.add((off + s0) * es), k * es);
+                    }
+                    continue;
                 }
                 // SAFETY: [s0, s0 + k) lies inside the chunk; peers' slots hold it
                 // (published by the sync above), our own slice is read from the caller's
