@@ -83,6 +83,7 @@ struct Estimate {
     /// The last probe's time per byte of each kind (0: none yet).
     plain: f64,
     stream: f64,
+    /// Calls of this class that succeeded.
     calls: u32,
     streaming: bool,
 }
@@ -133,10 +134,13 @@ impl Streamer {
             return;
         }
         let c = Self::class(kind, bytes);
-        let e = &mut self.classes[c];
-        e.calls = e.calls.wrapping_add(1);
-        let probe = e.calls % PROBE_EVERY == 0;
-        let stream = if probe { (e.calls / PROBE_EVERY) % 2 == 1 } else { e.streaming };
+        let e = &self.classes[c];
+        // Counted when a call succeeds (in `record`): a call that fails, fails on every
+        // rank (a rank's rejected argument is a mismatch for its peers), so every rank
+        // skips it alike and the ranks' probes stay in step.
+        let call = e.calls.wrapping_add(1);
+        let probe = call % PROBE_EVERY == 0;
+        let stream = if probe { (call / PROBE_EVERY) % 2 == 1 } else { e.streaming };
         self.current = Some((c, stream, probe, std::time::Instant::now()));
     }
 
@@ -149,10 +153,11 @@ impl Streamer {
     }
 
     fn record(&mut self, c: usize, stream: bool, probe: bool, ns_per_byte: f64) {
+        let e = &mut self.classes[c];
+        e.calls = e.calls.wrapping_add(1);
         if !probe {
             return;
         }
-        let e = &mut self.classes[c];
         *(if stream { &mut e.stream } else { &mut e.plain }) = ns_per_byte;
         if e.plain > 0.0 && e.stream > 0.0 {
             let (now, alt) = if e.streaming { (e.stream, e.plain) } else { (e.plain, e.stream) };
@@ -285,6 +290,23 @@ mod tests {
         let used = drive(&mut s, 2, 1 << 20, 8 * p, |st| if st { 2.0 } else { 1.0 });
         assert!(used.iter().skip(2 * p).filter(|&&b| b).count() <= 3, "{used:?}");
         assert!(!s.class_streams(2, 1 << 20));
+    }
+
+    #[test]
+    fn a_failed_call_does_not_move_the_probes() {
+        let mut s = Streamer::new(Mode::Auto);
+        let mut t = Streamer::new(Mode::Auto);
+        for i in 0..3 * PROBE_EVERY {
+            if i == 5 {
+                s.begin(9, 1 << 20); // a call that failed: begun, never ended
+            }
+            s.begin(9, 1 << 20);
+            t.begin(9, 1 << 20);
+            assert_eq!(s.streams(MIN_BYTES), t.streams(MIN_BYTES), "call {i}");
+            s.end_as(1.0);
+            t.end_as(1.0);
+        }
+        assert!(t.classes[Streamer::class(9, 1 << 20)].calls == 3 * PROBE_EVERY);
     }
 
     #[test]
