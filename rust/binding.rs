@@ -17,7 +17,8 @@
 //! raised) when interrupted.
 //!
 //! `Communicator` is here; `P2PChannel` (point-to-point between two ranks) is in `binding/p2p.rs`,
-//! `copy_bytes` (the host copy of `flagos_shm.staging`) in `binding/staging.rs`.
+//! `copy_bytes` (the host copy of `flagos_shm.staging`) in `binding/staging.rs`, `reduce_into` /
+//! `convert_into` (host reductions of the multi-node hierarchy) in `binding/reduce.rs`.
 
 use crate::algorithms::{AbortHandle, Communicator, Kind, ONE_SHOT_MAX_BYTES};
 use crate::buffer::Buf;
@@ -32,6 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 mod p2p;
+mod reduce;
 mod staging;
 
 type Pending = Arc<Mutex<Option<PyErr>>>;
@@ -736,6 +738,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(segment_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(process_exited, m)?)?;
     m.add_function(wrap_pyfunction!(staging::copy_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(reduce::reduce_into, m)?)?;
+    m.add_function(wrap_pyfunction!(reduce::convert_into, m)?)?;
     m.add_class::<PyCommunicator>()?;
     m.add_class::<p2p::PyP2PChannel>()?;
     m.add("DEFAULT_SLOT_BYTES", DEFAULT_SLOT_BYTES)?;

@@ -27,6 +27,9 @@ use half::{bf16, f16};
 /// The bfloat16 / float16 kernels for x86-64 (AVX2, F16C), used where the CPU has them.
 #[cfg(target_arch = "x86_64")]
 mod half_x86;
+/// Checked reductions and conversions on host buffers outside the collectives.
+mod host;
+pub use host::{convert_into, reduce_into};
 
 /// Element type of a buffer. Discriminants are the wire codes used in descriptors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
