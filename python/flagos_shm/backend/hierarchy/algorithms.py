@@ -22,8 +22,7 @@ from torch._C._distributed_c10d import AllToAllOptions, BroadcastOptions
 
 from ... import staging
 from . import alltoallv_coalesced, groups, rs
-from .host import (_BOOL_OPS, _FLOAT_OPS, _TORCH, AVG, PREMUL_SUM, SUM, _acc_dtype, _checked_view, _combine,
-                   _nbytes)
+from .host import _TORCH, AVG, PREMUL_SUM, SUM, _acc_dtype, _checked_view, _clone, _convert, _nbytes, _reduce_into
 from .protocol import _ALLTOALL_NAMES, _DTYPE_CODE, _KIND_CODE, aborting
 
 
@@ -56,7 +55,7 @@ class Algorithms:
                        t: float) -> None:
         numel = x.numel()
         acc = _acc_dtype(x.dtype, op)
-        work = x if acc == x.dtype else x.to(acc)
+        work = x if acc == x.dtype else _clone(x, acc)
         acc_name = staging.CORE_DTYPES[acc]
         multi = self.local_size > 1
 
@@ -66,21 +65,17 @@ class Algorithms:
         def inter() -> None:
             if not numel:
                 return
-            part = work * factor if op == PREMUL_SUM and not multi else work
+            part = work
+            if op == PREMUL_SUM and not multi:  # one rank per node: scale here (the core does it in a node)
+                part = torch.empty_like(work)
+                _reduce_into(part, [work], PREMUL_SUM, factor)
             rows = self._allgather_rows(part, t)
-            # combined in node order, straight into x where no conversion follows
-            result = x if acc == x.dtype and op != AVG else torch.empty_like(rows[0])
-            inter_op = SUM if op in (AVG, PREMUL_SUM) else op
-            (_BOOL_OPS if acc == torch.bool else _FLOAT_OPS)[inter_op](rows[0], rows[1], out=result)
-            for k in range(2, rows.shape[0]):
-                _combine(result, rows[k], inter_op)
-            if op == AVG:
-                if result.dtype.is_floating_point:
-                    result.div_(torch.tensor(self._n, dtype=result.dtype))
-                else:
-                    result = torch.div(result, self._n, rounding_mode="trunc")
+            # combined in node order by the core's kernels (AVG: the sum divided by the group
+            # size), straight into x where no conversion follows
+            result = x if acc == x.dtype else torch.empty_like(rows[0])
+            _reduce_into(result, list(rows), SUM if op == PREMUL_SUM else op, world=self._n)
             if result is not x:
-                x.copy_(result)
+                _convert(x, result)
 
         def post() -> None:
             self.local.broadcast(x.data_ptr(), _nbytes(x), numel, dtype, 0, t)
@@ -108,10 +103,10 @@ class Algorithms:
         x = _checked_view("nbytes", ptr, nbytes, numel, dtype)
 
         def job() -> None:
-            scratch = x.clone()
+            scratch = _clone(x)
             self._reduce_all("reduce", scratch, dtype, op, factor, root, t)
             if self._rank == root:
-                x.copy_(scratch)
+                staging.copy_into(x, scratch)
         return self._dispatch(job, done)
 
     def reduce_scatter(self, in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, op, factor=1.0, timeout_s=None,
@@ -121,9 +116,9 @@ class Algorithms:
         out = _checked_view("out_nbytes", out_ptr, out_nbytes, numel, dtype)
 
         def job() -> None:
-            scratch = inp.clone()
+            scratch = _clone(inp)
             self._reduce_all("reduce_scatter", scratch, dtype, op, factor, 0, t)
-            out.copy_(scratch[self._rank * numel:(self._rank + 1) * numel])
+            staging.copy_into(out, scratch[self._rank * numel:(self._rank + 1) * numel])
         return self._dispatch(job, done)
 
     def _broadcast_job(self, kind: str, x: torch.Tensor, dtype: str, root: int, t: float) -> None:
@@ -159,9 +154,9 @@ class Algorithms:
         out = _checked_view("out_nbytes", out_ptr, out_nbytes, numel, dtype)
 
         def job() -> None:
-            scratch = inp.clone() if inp is not None else torch.empty(self._n * numel, dtype=_TORCH[dtype])
+            scratch = _clone(inp) if inp is not None else torch.empty(self._n * numel, dtype=_TORCH[dtype])
             self._broadcast_job("scatter", scratch, dtype, root, t)
-            out.copy_(scratch[self._rank * numel:(self._rank + 1) * numel])
+            staging.copy_into(out, scratch[self._rank * numel:(self._rank + 1) * numel])
         return self._dispatch(job, done)
 
     def _allgather_job(self, kind: str, inp: torch.Tensor, out: torch.Tensor, dtype: str, root: int,
@@ -180,11 +175,11 @@ class Algorithms:
             if not numel:
                 return
             if not multi:
-                block[:numel].copy_(inp)
+                staging.copy_into(block[:numel], inp)
             rows = self._allgather_rows(block, t)
             for r in range(self._n):
                 i = self._index[r]
-                out[r * numel:(r + 1) * numel].copy_(rows[self._node_of[r], i * numel:(i + 1) * numel])
+                staging.copy_into(out[r * numel:(r + 1) * numel], rows[self._node_of[r], i * numel:(i + 1) * numel])
 
         def post() -> None:
             self.local.broadcast(out.data_ptr() if numel else 0, _nbytes(out), self._n * numel, dtype, 0, t)
@@ -206,7 +201,7 @@ class Algorithms:
             scratch = torch.empty(self._n * numel, dtype=_TORCH[dtype])
             self._allgather_job("gather", inp, scratch, dtype, root, t)
             if out is not None:
-                out.copy_(scratch)
+                staging.copy_into(out, scratch)
         return self._dispatch(job, done)
 
     def alltoall(self, in_ptr, in_nbytes, out_ptr, out_nbytes, numel, dtype, timeout_s=None, done=None) -> int:

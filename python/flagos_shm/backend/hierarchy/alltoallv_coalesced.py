@@ -15,7 +15,8 @@ import torch
 from torch._C._distributed_c10d import AllToAllOptions
 
 from . import groups
-from .host import _TORCH, _checked_view
+from ... import staging
+from .host import _TORCH, _checked_view, _clone
 from .protocol import _DTYPE_CODE, _KIND_CODE, aborting
 
 
@@ -85,7 +86,7 @@ def reduce_scatter_coalesced(comm, in_ptrs, in_nbytes, out_ptrs, out_nbytes, num
 
     def job() -> None:
         for inp, out, k, d in items:
-            scratch = inp.clone()
+            scratch = _clone(inp)
             comm._reduce_all("reduce_scatter", scratch, d, op, factor, 0, t)
-            out.copy_(scratch[comm._rank * k:(comm._rank + 1) * k])
+            staging.copy_into(out, scratch[comm._rank * k:(comm._rank + 1) * k])
     return comm._dispatch(job, done)

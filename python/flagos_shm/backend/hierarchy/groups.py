@@ -19,8 +19,9 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, ProcessGroupGloo
+from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions, ProcessGroupGloo
 
+from ... import staging
 from .. import rendezvous
 
 _GLOO_LAZY = "TORCH_GLOO_LAZY_INIT"
@@ -83,8 +84,23 @@ def timed(opts_type, timeout_s: float):
 
 
 def allgather_rows(pg: ProcessGroupGloo, t: torch.Tensor, timeout_s: float) -> torch.Tensor:
-    """Gloo allgather of ``t`` (1-D, contiguous) over ``pg``: ``[pg.size(), numel]`` of ``t.dtype``."""
+    """Gloo allgather of ``t`` (1-D, contiguous) over ``pg``: ``[pg.size(), numel]`` of ``t.dtype``.
+
+    From :data:`staging._TORCH_GRAIN` bytes on, an all-to-all of ``pg.size()`` copies of
+    ``t`` (made on this thread, :func:`staging.copy_into`) instead: Gloo's allgather
+    unflattens its result with a torch copy per rank (``ProcessGroupGloo``'s
+    ``AsyncAllgatherWork``), which for that many elements runs on torch's intra-op thread
+    pool, while its all-to-all reads and writes the buffers it is given. The same bytes
+    move either way; which one runs depends only on the size, which the ranks agree on.
+    """
     flat = t.reshape(-1).view(torch.uint8)
-    out = torch.empty(pg.size() * flat.numel(), dtype=torch.uint8)
-    pg._allgather_base(out, flat, timed(AllgatherOptions, timeout_s)).wait()
-    return out.view(t.dtype).view(pg.size(), -1)
+    m, nb = pg.size(), flat.numel()
+    out = torch.empty(m * nb, dtype=torch.uint8)
+    if nb >= staging._TORCH_GRAIN and m > 1:
+        send = torch.empty(m * nb, dtype=torch.uint8)
+        for k in range(m):
+            staging.copy_into(send[k * nb:(k + 1) * nb], flat)
+        pg.alltoall_base(out, send, [], [], timed(AllToAllOptions, timeout_s)).wait()
+    else:
+        pg._allgather_base(out, flat, timed(AllgatherOptions, timeout_s)).wait()
+    return out.view(t.dtype).view(m, -1)

@@ -4,6 +4,13 @@ Every inter-node step works on host memory: the core ``Communicator`` interface 
 addresses, byte lengths, element counts and core dtype names, viewed here as 1-D tensors
 (no copy). The reduction across levels follows the core's rules (``rust/reduce.rs``):
 float16/bfloat16 accumulate in float32, integer AVG sums in int64.
+
+The leaders' combinations, conversions and copies run on the calling thread through the
+core (:func:`_reduce_into`, :func:`_convert`, :func:`_clone`: ``_core.reduce_into``,
+``_core.convert_into``, :func:`staging.copy_into`), not through torch, which splits an
+element-wise op or copy of 32768 elements or more over its intra-op thread pool: with
+several ranks on a node, each with such a pool, the threads outnumber the CPUs
+(docs/benchmark.md, "torch's copy threads").
 """
 
 from __future__ import annotations
@@ -12,15 +19,10 @@ import ctypes
 
 import torch
 
-from ... import staging
+from ... import _core, staging
 
 SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM = range(9)
 _TORCH = {name: dtype for dtype, name in staging.CORE_DTYPES.items()}
-
-_FLOAT_OPS = {SUM: torch.add, PRODUCT: torch.mul, MIN: torch.minimum, MAX: torch.maximum,
-              BAND: torch.bitwise_and, BOR: torch.bitwise_or, BXOR: torch.bitwise_xor}
-_BOOL_OPS = {SUM: torch.logical_or, MAX: torch.logical_or, BOR: torch.logical_or, PRODUCT: torch.logical_and,
-             MIN: torch.logical_and, BAND: torch.logical_and, BXOR: torch.logical_xor}
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -60,7 +62,44 @@ def _acc_dtype(dtype: torch.dtype, op: int) -> torch.dtype:
     return dtype
 
 
-def _combine(acc: torch.Tensor, other: torch.Tensor, op: int) -> None:
-    """``acc = op(acc, other)`` elementwise, in place."""
-    table = _BOOL_OPS if acc.dtype == torch.bool else _FLOAT_OPS
-    table[op](acc, other, out=acc)
+def _reduce_into(dst: torch.Tensor, srcs, op: int, factor: float = 1.0, world: int = 1) -> None:
+    """``dst = srcs[0] op srcs[1] op ...`` elementwise, in list order, by the core's kernels
+    (``_core.reduce_into``, GIL released): AVG divides the sum by ``world``, PREMUL_SUM
+    scales each source by ``factor`` first; bool SUM/MAX are logical or, PRODUCT/MIN
+    logical and. ``dst`` and every source: contiguous 1-D host tensors of one core dtype
+    and element count; ``dst`` may be one of the sources.
+
+    Raises:
+        ValueError: buffers that do not fit (naming ``dst`` / ``srcs[i]``).
+        TypeError: an op the dtype does not take (e.g. BAND on floats).
+    """
+    _core.reduce_into(dst.data_ptr(), _nbytes(dst), [s.data_ptr() for s in srcs], [_nbytes(s) for s in srcs],
+                      dst.numel(), staging.CORE_DTYPES[dst.dtype], op, factor, world)
+
+
+def _convert(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for contiguous 1-D host tensors of one element count, on this
+    thread: the same dtype by :func:`staging.copy_into`, a type and its accumulation type
+    (float16/bfloat16 and float32, int8/uint8/int16/int32 and int64) by
+    ``_core.convert_into`` (rounding to nearest even, truncating integers, as torch; only
+    a NaN's payload may differ from torch's).
+
+    Raises:
+        ValueError: the element counts differ.
+    """
+    if dst.dtype == src.dtype:
+        staging.copy_into(dst, src)
+        return
+    if dst.numel() != src.numel():
+        raise ValueError(f"convert: dst has {dst.numel()} elements, src {src.numel()}")
+    _core.convert_into(dst.data_ptr(), _nbytes(dst), staging.CORE_DTYPES[dst.dtype], src.data_ptr(), _nbytes(src),
+                       staging.CORE_DTYPES[src.dtype], src.numel())
+
+
+def _clone(x: torch.Tensor, dtype=None) -> torch.Tensor:
+    """A new contiguous copy of the 1-D host tensor ``x`` (converted to ``dtype``, one of
+    :func:`_convert`'s pairs), made on this thread."""
+    out = torch.empty(x.numel(), dtype=x.dtype if dtype is None else dtype)
+    if x.numel():
+        _convert(out, x)
+    return out

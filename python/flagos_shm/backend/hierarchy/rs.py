@@ -39,7 +39,7 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from ... import staging
 from .. import config
 from . import groups
-from .host import AVG, PREMUL_SUM, SUM, _acc_dtype, _combine, _nbytes
+from .host import AVG, PREMUL_SUM, SUM, _acc_dtype, _convert, _nbytes, _reduce_into
 from .protocol import _DTYPE_CODE, _KIND_CODE
 
 __all__ = ["eligible", "allreduce_rs", "close_columns"]
@@ -99,8 +99,9 @@ def allreduce_rs(comm, kind: str, x: torch.Tensor, dtype: str, op: int, factor: 
     if acc == x.dtype and n == k * c:
         work = x
     else:
-        work = torch.zeros(k * c, dtype=acc)
-        work[:n].copy_(x)
+        work = torch.empty(k * c, dtype=acc)
+        work[n:].zero_()  # the padding (fewer than k elements)
+        _convert(work[:n], x)
     part = torch.empty(c, dtype=acc)
     j = comm._layout.local_rank
 
@@ -116,19 +117,17 @@ def allreduce_rs(comm, kind: str, x: torch.Tensor, dtype: str, op: int, factor: 
         except RuntimeError as exc:
             raise RuntimeError(f"among the ranks of local rank {j} (Gloo; another node failed, or a rank there "
                                f"exited or was aborted): {exc}") from exc
-        inter_op = SUM if op in (AVG, PREMUL_SUM) else op
-        result = rows[0].clone()
-        for r in range(1, rows.shape[0]):  # node order, the same on every rank of the column
-            _combine(result, rows[r], inter_op)
-        if op == AVG:
-            if result.dtype.is_floating_point or result.is_complex():
-                result.div_(torch.tensor(comm._n, dtype=result.dtype))
-            else:
-                result = torch.div(result, comm._n, rounding_mode="trunc")
-        mine = result.to(x.dtype)
+        # node order, the same on every rank of the column; by the core's kernels (AVG: the
+        # sum divided by the group size), on this thread
+        result = torch.empty(c, dtype=acc)
+        _reduce_into(result, list(rows), SUM if op == PREMUL_SUM else op, world=comm._n)
+        mine = result
+        if acc != x.dtype:
+            mine = torch.empty(c, dtype=x.dtype)
+            _convert(mine, result)
         into = x if n == k * c else torch.empty(k * c, dtype=x.dtype)
         comm.local.allgather(mine.data_ptr(), _nbytes(mine), into.data_ptr(), _nbytes(into), c, dtype, t)
         if into is not x:
-            x.copy_(into[:n])
+            staging.copy_into(x, into[:n])
 
     comm._phases((_KIND_CODE[kind + "_rs"], n, _DTYPE_CODE[dtype], op, root), t, pre, None, post)
