@@ -30,6 +30,7 @@ from torch.distributed.constants import default_pg_timeout
 from ... import _core, staging
 from ...work import ShmWork
 from .. import config, options, plan
+from . import alltoall_errors
 from ..rendezvous import describe_layout, rendezvous
 
 _log = logging.getLogger("flagos_shm")
@@ -471,7 +472,8 @@ class CollectiveBase:
 
     def _error(self, name: str, exc: Exception) -> Exception:
         """Re-create ``exc`` with the group, rank and collective in its message."""
-        message = f"flagos_shm {name} on group {self._group_name!r} (rank {self._rank}/{self._world_size}): {exc}"
+        detail = alltoall_errors.name_arguments(name, str(exc))
+        message = f"flagos_shm {name} on group {self._group_name!r} (rank {self._rank}/{self._world_size}): {detail}"
         try:
             wrapped = type(exc)(message)
         except Exception:

@@ -66,6 +66,9 @@ class Protocol:
     def _describe(h: list) -> str:
         kind = _KINDS[h[0] - 1] if 0 < h[0] <= len(_KINDS) else h[0]
         dtype = next((n for n, c in _DTYPE_CODE.items() if c == h[2]), h[2])
+        if kind == "alltoall":  # element count -1: per-peer counts (alltoallv), exchanged next
+            return (f"alltoallv({dtype}, per-peer counts: split sizes or tensor lists)" if h[1] == -1 else
+                    f"alltoall({h[1]} x {dtype} to each rank: no split sizes)")
         return f"{kind}({h[1]} x {dtype}, op {options.OP_NAMES[h[3]] if 0 <= h[3] < 9 else h[3]}, root {h[4]})"
 
     def _allgather_rows(self, t: torch.Tensor, timeout_s: float) -> torch.Tensor:
