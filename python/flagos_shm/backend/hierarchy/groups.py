@@ -19,7 +19,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, AllToAllOptions, ProcessGroupGloo
+from torch._C._distributed_c10d import AllgatherOptions, BroadcastOptions, ProcessGroupGloo
 
 from ... import staging
 from .. import rendezvous
@@ -86,21 +86,25 @@ def timed(opts_type, timeout_s: float):
 def allgather_rows(pg: ProcessGroupGloo, t: torch.Tensor, timeout_s: float) -> torch.Tensor:
     """Gloo allgather of ``t`` (1-D, contiguous) over ``pg``: ``[pg.size(), numel]`` of ``t.dtype``.
 
-    From :data:`staging._TORCH_GRAIN` bytes on, an all-to-all of ``pg.size()`` copies of
-    ``t`` (made on this thread, :func:`staging.copy_into`) instead: Gloo's allgather
-    unflattens its result with a torch copy per rank (``ProcessGroupGloo``'s
-    ``AsyncAllgatherWork``), which for that many elements runs on torch's intra-op thread
-    pool, while its all-to-all reads and writes the buffers it is given. The same bytes
-    move either way; which one runs depends only on the size, which the ranks agree on.
+    From :data:`staging._TORCH_GRAIN` bytes on, one Gloo broadcast per rank, each straight
+    into its row of the result (this rank's own row copied on this thread,
+    :func:`staging.copy_into`), instead of Gloo's allgather, which unflattens its result
+    with a torch copy per rank (``ProcessGroupGloo``'s ``AsyncAllgatherWork``) that for that
+    many elements runs on torch's intra-op thread pool. The same bytes reach every rank;
+    on the 2-vCPU VM over loopback the broadcasts were also the faster (docs/benchmark.md,
+    "torch's copy threads"). Which one runs depends only on the size, which the ranks
+    agree on.
     """
     flat = t.reshape(-1).view(torch.uint8)
     m, nb = pg.size(), flat.numel()
     out = torch.empty(m * nb, dtype=torch.uint8)
     if nb >= staging._TORCH_GRAIN and m > 1:
-        send = torch.empty(m * nb, dtype=torch.uint8)
-        for k in range(m):
-            staging.copy_into(send[k * nb:(k + 1) * nb], flat)
-        pg.alltoall_base(out, send, [], [], timed(AllToAllOptions, timeout_s)).wait()
+        me = pg.rank()
+        staging.copy_into(out[me * nb:(me + 1) * nb], flat)
+        for k in range(m):  # in rank order on every rank
+            opts = timed(BroadcastOptions, timeout_s)
+            opts.rootRank, opts.rootTensor = k, 0
+            pg.broadcast([out[k * nb:(k + 1) * nb]], opts).wait()
     else:
         pg._allgather_base(out, flat, timed(AllgatherOptions, timeout_s)).wait()
     return out.view(t.dtype).view(m, -1)
