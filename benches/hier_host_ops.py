@@ -69,5 +69,5 @@ if __name__ == "__main__":
     slowest = {k: [round(max(per_rank[r][k][i] for r in per_rank), 3) for i in (0, 1)] for k in per_rank[0]}
     import torch
 
-    print(json.dumps({"torch": torch.__version__, "threads": os.environ.get("BENCH_THREADS") or torch.get_num_threads(), "median_p90_ms": slowest},
-                     indent=1))
+    threads = os.environ.get("BENCH_THREADS") or torch.get_num_threads()
+    print(json.dumps({"torch": torch.__version__, "threads": threads, "median_p90_ms": slowest}, indent=1))

@@ -62,6 +62,7 @@ pub fn reduce_into(red: &Reduction, dst: Buf<'_>, srcs: &[Buf<'_>], numel: usize
 /// # Safety
 /// `src` valid for `len` reads of `T`, `dst` for `len` writes of `T::Acc`, both aligned,
 /// not overlapping.
+#[inline(always)]
 unsafe fn widen<T: Elem>(dst: *mut u8, src: *const u8, len: usize) {
     // SAFETY: the caller's contract.
     let (s, d) = unsafe { (std::slice::from_raw_parts(src as *const T, len), std::slice::from_raw_parts_mut(dst as *mut T::Acc, len)) };
@@ -75,6 +76,7 @@ unsafe fn widen<T: Elem>(dst: *mut u8, src: *const u8, len: usize) {
 ///
 /// # Safety
 /// As [`widen`], with the roles of `T` and `T::Acc` swapped.
+#[inline(always)]
 unsafe fn narrow<T: Elem>(dst: *mut u8, src: *const u8, len: usize) {
     // SAFETY: the caller's contract.
     let (s, d) = unsafe { (std::slice::from_raw_parts(src as *const T::Acc, len), std::slice::from_raw_parts_mut(dst as *mut T, len)) };
@@ -99,15 +101,56 @@ pub fn convert_into(dst: Buf<'_>, to: DType, src: Buf<'_>, from: DType, numel: u
     if dn > 0 && sn > 0 && d < s + sn && s < d + dn {
         return Err(Error::InvalidArgument("dst/src: the ranges overlap".into()));
     }
-    let (dp, sp) = (dst.as_mut_ptr(), src.as_ptr());
     use DType::*;
-    // SAFETY: (every arm) both buffers were checked above to hold `numel` elements of
-    // their types, aligned and not null, and not to overlap; each arm's `T` / `T::Acc`
-    // are the types of `src` and `dst`.
+    let pair = matches!((from, to), (F16 | BF16, F32) | (F32, F16 | BF16) | (I8 | U8 | I16 | I32, I64) | (I64, I8 | U8 | I16 | I32));
+    if from != to && !pair {
+        return Err(Error::Unsupported(format!(
+            "convert: {} to {} is not a conversion between a type and its accumulation type",
+            from.name(),
+            to.name()
+        )));
+    }
+    if numel == 0 {
+        return Ok(());
+    }
+    let (dp, sp) = (dst.as_mut_ptr(), src.as_ptr());
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the contract of `convert_raw` was checked above; the CPU has AVX2.
+        unsafe { convert_avx2(dp, to, sp, from, numel) };
+        return Ok(());
+    }
+    // SAFETY: the contract of `convert_raw` was checked above.
+    unsafe { convert_raw(dp, to, sp, from, numel) };
+    Ok(())
+}
+
+/// [`convert_raw`] compiled for AVX2 (chosen at run time, as the reduction kernels are).
+///
+/// # Safety
+/// As [`convert_raw`]; the CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn convert_avx2(dp: *mut u8, to: DType, sp: *const u8, from: DType, numel: usize) {
+    // SAFETY: forwarded; `convert_raw` is inline(always), so its loops get this
+    // function's target features.
+    unsafe { convert_raw(dp, to, sp, from, numel) }
+}
+
+/// The conversion of [`convert_into`] on raw pointers.
+///
+/// # Safety
+/// `(from, to)` is the same type or one of `convert_into`'s pairs; `sp` is valid for
+/// reads of `numel` elements of `from`, `dp` for writes of `numel` elements of `to`, both
+/// aligned, not overlapping.
+#[inline(always)]
+unsafe fn convert_raw(dp: *mut u8, to: DType, sp: *const u8, from: DType, numel: usize) {
+    use DType::*;
+    // SAFETY: (every arm) the caller's contract; each arm's `T` / `T::Acc` are the types
+    // of the source and the destination.
     unsafe {
         match (from, to) {
-            _ if numel == 0 => {}
-            (a, b) if a == b => std::ptr::copy_nonoverlapping(sp, dp, sn),
+            (a, b) if a == b => std::ptr::copy_nonoverlapping(sp, dp, numel * a.size()),
             (F16, F32) => widen::<f16>(dp, sp, numel),
             (BF16, F32) => widen::<bf16>(dp, sp, numel),
             (F32, F16) => narrow::<f16>(dp, sp, numel),
@@ -120,16 +163,9 @@ pub fn convert_into(dst: Buf<'_>, to: DType, src: Buf<'_>, from: DType, numel: u
             (I64, U8) => narrow::<u8>(dp, sp, numel),
             (I64, I16) => narrow::<i16>(dp, sp, numel),
             (I64, I32) => narrow::<i32>(dp, sp, numel),
-            _ => {
-                return Err(Error::Unsupported(format!(
-                    "convert: {} to {} is not a conversion between a type and its accumulation type",
-                    from.name(),
-                    to.name()
-                )))
-            }
+            _ => unreachable!("checked by convert_into"),
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
