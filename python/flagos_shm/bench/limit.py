@@ -118,7 +118,9 @@ def plan_info(group) -> Optional[dict]:
     from ..backend import plan as plan_mod
 
     p = comm.plan
-    return {"plan": p, "source": getattr(pg, "_plan_source", "?"), "text": plan_mod.describe(p)}
+    stores = getattr(comm, "stream_mode", "?")  # FLAGOS_SHM_STREAM (rust/stream.rs)
+    return {"plan": p, "source": getattr(pg, "_plan_source", "?"), "stores": stores,
+            "text": f"{plan_mod.describe(p)}; stores into the slots: {stores}"}
 
 
 def multiples(results: Sequence[dict], copy_rows: Sequence[dict], xcopy_rows: Sequence[dict]) -> List[dict]:
