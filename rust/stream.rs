@@ -10,8 +10,8 @@
 //! has just read, the other reads it; medians of 41 rounds, samples 2 s apart) a plain
 //! `memcpy` of 512 KiB into such lines took 51-71 us in the ordinary placement (15-17 us
 //! into lines nobody else holds) and 150-300 us in a slow one that came and went every few
-//! seconds, 30-40 % of the samples that night. Streaming stores write whole lines without
-//! fetching them: 19-40 us in both placements, while the reader's copy, from memory
+//! seconds, 15-55 % of the samples in four runs that night. Streaming stores write whole
+//! lines without fetching them: 19-40 us in both placements, while the reader's copy, from memory
 //! instead of the writer's cache, took 34-55 us instead of 11-36. Through the slot
 //! algorithms (`benches/stream_ab.py`, 1 MiB, two ranks): allgather 38-48 us plain and
 //! 75-100 us streaming in the ordinary placement, 300-370 us plain and 60-95 us streaming
