@@ -166,10 +166,6 @@ struct PyCommunicator {
     /// Whether every rank can read every peer's memory (probed at attach; `FLAGOS_SHM_CMA`).
     #[pyo3(get)]
     single_copy_available: bool,
-    /// How this rank copies into its slots: `"plain"`, `"stream"` or `"auto"`
-    /// (`FLAGOS_SHM_STREAM`, read at attach; `rust/stream.rs`).
-    #[pyo3(get)]
-    stream_mode: &'static str,
     #[pyo3(get)]
     path: String,
 }
@@ -309,7 +305,6 @@ impl PyCommunicator {
             slot_bytes: comm.slot_bytes(),
             segment_bytes: comm.segment_len(),
             single_copy_available: comm.single_copy_available(),
-            stream_mode: comm.stream_mode().name(),
             inner: Arc::new(Progress::new(comm)),
             owner_pid: std::process::id(),
             pending,
@@ -380,6 +375,31 @@ impl PyCommunicator {
         };
         self.run(py, None, move |c| {
             c.set_plan(plan);
+            Ok(())
+        })
+    }
+
+    /// How this rank copies into its slots: `"plain"`, `"stream"` or `"auto"`
+    /// (`FLAGOS_SHM_STREAM`, read at attach, or the last `set_stream_mode`;
+    /// `rust/stream.rs`).
+    #[getter]
+    fn stream_mode(&self, py: Python<'_>) -> PyResult<&'static str> {
+        self.run(py, None, |c| Ok(c.stream_mode().name()))
+    }
+
+    /// Sets how later calls (after every queued call) copy into this rank's slots:
+    /// `"plain"`, `"stream"` or `"auto"` (which starts its timings afresh). Ranks need not
+    /// agree. Raises ValueError naming `mode` for any other word.
+    fn set_stream_mode(&self, py: Python<'_>, mode: &str) -> PyResult<()> {
+        use crate::stream::Mode;
+        let m = match mode {
+            "plain" => Mode::Plain,
+            "stream" => Mode::Stream,
+            "auto" => Mode::Auto,
+            _ => return Err(PyValueError::new_err(format!("mode: expected 'plain', 'stream' or 'auto', got {mode:?}"))),
+        };
+        self.run(py, None, move |c| {
+            c.set_stream_mode(m);
             Ok(())
         })
     }

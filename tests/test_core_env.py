@@ -72,6 +72,16 @@ def env_rank(rank: int, world_size: int, tmp: str) -> dict:
         res["stream"][word] = got
         dist.destroy_process_group(group)
     del os.environ["FLAGOS_SHM_STREAM"]
+    comm = flagos_shm.backend.shm_part(dist.group.WORLD)._comm
+    try:
+        comm.set_stream_mode("sometimes")
+        res["bad_mode"] = None
+    except ValueError as exc:
+        res["bad_mode"] = str(exc)
+    comm.set_stream_mode("plain")
+    res["set_modes"] = [comm.stream_mode]
+    comm.set_stream_mode("auto")
+    res["set_modes"].append(comm.stream_mode)
     t = torch.full((4,), float(rank + 1))
     dist.all_reduce(t)  # the default group is unharmed
     res["sum"] = t.tolist()
@@ -113,3 +123,10 @@ def test_stream_words_choose_the_mode_and_every_mode_gives_exact_values(results)
         for word in ("0", "1", "auto"):
             values = res["stream"][word]["values"]
             assert values and all(values), (rank, word, values)
+
+
+def test_set_stream_mode_sets_it_and_refuses_other_words_naming_the_argument(results):
+    for res in results:
+        assert res["set_modes"] == ["plain", "auto"]
+        bad = res["bad_mode"]
+        assert bad and bad.startswith("mode:") and "sometimes" in bad, bad

@@ -154,7 +154,7 @@ def _group_plan(env: dict, allreduce_bytes: int = 1 << 20):
         dist.all_reduce(t, group=g)
         n = dist.get_world_size()
         ok = bool(torch.all(t == n * (n + 1) / 2))
-        out = {"plan": pg._comm.plan, "source": pg._plan_source, "correct": ok}
+        out = {"plan": pg._comm.plan, "source": pg._plan_source, "correct": ok, "stores": pg._comm.stream_mode}
         dist.destroy_process_group(g)
         return out
 
@@ -176,6 +176,8 @@ def test_plan_is_measured_once_cached_and_the_same_on_every_rank(worlds, backend
     assert [r["source"] for r in second] == ["cache"] * 2, second
     assert first[0]["plan"] == first[1]["plan"] == second[0]["plan"] == second[1]["plan"]
     assert all(r["correct"] for r in first + second)
+    # the calibration times both kinds of store and leaves the streamer as it found it
+    assert all(r["stores"] == "auto" for r in first + second)
     files = os.listdir(tmp_path / "flagos_shm")
     assert len(files) == 1 and files[0].startswith("plan-")
 
