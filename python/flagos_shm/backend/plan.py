@@ -10,7 +10,7 @@ When a single-node group is created, its ranks agree on a plan through the group
    this machine (:func:`machine_key`), or "calibrate" (no cache entry, or
    ``FLAGOS_SHM_PLAN=calibrate``), and publishes the outcome;
 3. on "calibrate" every rank runs :func:`calibrate` in lockstep (a fixed sequence of calls
-   with forced paths, about 0.3-0.7 s), the per-case times are reduced with MAX across
+   with forced paths, 1.7-1.9 s on a loaded 2-vCPU VM), the per-case times are reduced with MAX across
    the ranks (so every rank holds the same numbers) and every rank derives the same plan
    from them (:func:`decide`); rank 0 writes the cache, unless the machine was busy (load
    average above the CPU count + 1): a plan measured under contention is used by that
