@@ -77,9 +77,9 @@ CACHE_SCHEMA = 4
 #: A machine's plan is settled after this many calibrations, each taken at the first group
 #: created at least :data:`RUN_GAP_S` after the previous one, their figures merged
 #: (:func:`merge`). One calibration can fall into one of the VM's slow phases: on the AMD
-#: EPYC 2-vCPU VM they came every minute or two and lasted 10-30 s (some minutes, at
-#: times), and in them every slot transfer took 4-8 times as long while single-copy
-#: reads barely slowed, so a plan measured there chose single-copy from 32 KiB and kept it
+#: EPYC 2-vCPU VM they came and went every few seconds to minutes, and in them every plain
+#: slot transfer took 4-8 times as long while single-copy reads of clean input barely
+#: slowed, so a plan measured there chose single-copy from 32 KiB and kept it
 #: (docs/benchmark.md, "The VM's placements").
 SETTLE_RUNS = 3
 RUN_GAP_S = 60.0
@@ -279,12 +279,12 @@ def calibrate(comm, grid=GRID, rounds: int = ROUNDS, burst: int = BURST) -> Dict
     variants = _variants(bool(comm.single_copy_available))
     # In auto mode the streamer would need more calls than the calibration makes to find
     # the faster kind of store: time both and keep the faster (restored to auto after).
-    modes = "auto" if getattr(comm, "stream_mode", None) == "auto" else None
+    both_stores = getattr(comm, "stream_mode", None) == "auto"
     top = max(grid)
     buf = torch.zeros(top // 4, dtype=torch.float32)
     half = torch.zeros(max(1, top // 4 // n), dtype=torch.float32)
     fresh = torch.ones_like(half)
-    cases = []  # (op, variant, size index, plan, call, pre)
+    cases = []  # (op, variant, size index, plan, call, pre, kind of store)
     for i, s in enumerate(grid):
         count = s // 4
         per = max(1, count // n)
@@ -299,7 +299,7 @@ def calibrate(comm, grid=GRID, rounds: int = ROUNDS, burst: int = BURST) -> Dict
             for name, plan in variants[op]:
                 # slot variants with each kind of store (the streamer picks the faster at run
                 # time); single-copy transfers do not touch the slots
-                for stores in ("plain",) if name == "single_copy" or not modes else ("plain", "stream"):
+                for stores in ("plain", "stream") if both_stores and name != "single_copy" else ("plain",):
                     cases.append((op, name, i, plan, call, pre, stores))
     times: List[List[float]] = [[] for _ in cases]
     clock = time.perf_counter_ns
@@ -308,7 +308,7 @@ def calibrate(comm, grid=GRID, rounds: int = ROUNDS, burst: int = BURST) -> Dict
         index = range(len(cases)) if r % 2 == 0 else range(len(cases) - 1, -1, -1)
         for j, (_, _, _, plan, call, pre, stores) in zip(index, order):
             _set(comm, plan)
-            if modes:
+            if both_stores:
                 comm.set_stream_mode(stores)
             for _ in range(burst - 1):
                 if pre:
@@ -321,8 +321,8 @@ def calibrate(comm, grid=GRID, rounds: int = ROUNDS, burst: int = BURST) -> Dict
             if r:
                 times[j].append((clock() - t0) / 1e3)
     _set(comm, FALLBACK)
-    if modes:
-        comm.set_stream_mode(modes)
+    if both_stores:
+        comm.set_stream_mode("auto")
     med = torch.tensor([min(t) for t in times], dtype=torch.float64)
     comm.allreduce(med.data_ptr(), med.numel() * 8, med.numel(), "float64", 4)  # MAX: same on every rank
     out: Dict[str, Dict[str, List[float]]] = {}
