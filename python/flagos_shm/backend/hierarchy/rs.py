@@ -39,7 +39,7 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from ... import staging
 from .. import config
 from . import groups
-from .host import AVG, PREMUL_SUM, SUM, _acc_dtype, _convert, _nbytes, _reduce_into
+from .host import AVG, PREMUL_SUM, SUM, _acc_dtype, _clone, _convert, _nbytes, _reduce_into
 from .protocol import _DTYPE_CODE, _KIND_CODE
 
 __all__ = ["eligible", "allreduce_rs", "close_columns"]
@@ -121,10 +121,7 @@ def allreduce_rs(comm, kind: str, x: torch.Tensor, dtype: str, op: int, factor: 
         # sum divided by the group size), on this thread
         result = torch.empty(c, dtype=acc)
         _reduce_into(result, list(rows), SUM if op == PREMUL_SUM else op, world=comm._n)
-        mine = result
-        if acc != x.dtype:
-            mine = torch.empty(c, dtype=x.dtype)
-            _convert(mine, result)
+        mine = result if acc == x.dtype else _clone(result, x.dtype)
         into = x if n == k * c else torch.empty(k * c, dtype=x.dtype)
         comm.local.allgather(mine.data_ptr(), _nbytes(mine), into.data_ptr(), _nbytes(into), c, dtype, t)
         if into is not x:
