@@ -391,13 +391,8 @@ impl PyCommunicator {
     /// `"plain"`, `"stream"` or `"auto"` (which starts its timings afresh). Ranks need not
     /// agree. Raises ValueError naming `mode` for any other word.
     fn set_stream_mode(&self, py: Python<'_>, mode: &str) -> PyResult<()> {
-        use crate::stream::Mode;
-        let m = match mode {
-            "plain" => Mode::Plain,
-            "stream" => Mode::Stream,
-            "auto" => Mode::Auto,
-            _ => return Err(PyValueError::new_err(format!("mode: expected 'plain', 'stream' or 'auto', got {mode:?}"))),
-        };
+        let m = crate::stream::Mode::from_name(mode)
+            .ok_or_else(|| PyValueError::new_err(format!("mode: expected 'plain', 'stream' or 'auto', got {mode:?}")))?;
         self.run(py, None, move |c| {
             c.set_stream_mode(m);
             Ok(())

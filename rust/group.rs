@@ -242,7 +242,7 @@ impl Communicator {
     pub(crate) fn timed<T>(&mut self, kind: Kind, bytes: usize, call: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
         self.streamer.begin(kind as usize, bytes);
         let out = call(self)?;
-        self.streamer.end(bytes);
+        self.streamer.end();
         Ok(out)
     }
 

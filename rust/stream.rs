@@ -65,6 +65,11 @@ impl Mode {
         }
     }
 
+    /// The mode whose [`Self::name`] is `name`, or None.
+    pub fn from_name(name: &str) -> Option<Mode> {
+        [Mode::Plain, Mode::Stream, Mode::Auto].into_iter().find(|m| m.name() == name)
+    }
+
     /// `FLAGOS_SHM_STREAM`, read once per communicator. Off words as [`crate::env`] and
     /// `never`: [`Mode::Plain`]; `1`, `true`, `yes`, `on`, `always`: [`Mode::Stream`];
     /// anything else (unset included): [`Mode::Auto`].
@@ -111,8 +116,9 @@ struct Estimate {
 pub struct Streamer {
     mode: Mode,
     classes: Vec<Estimate>,
-    /// The call in progress: its class, whether it streams, whether it is a probe, its start.
-    current: Option<(usize, bool, bool, std::time::Instant)>,
+    /// The call in progress: its class, whether it streams, whether it is a probe, its S
+    /// (bytes), its start.
+    current: Option<(usize, bool, bool, usize, std::time::Instant)>,
 }
 
 impl Streamer {
@@ -141,13 +147,13 @@ impl Streamer {
         let call = e.calls.wrapping_add(1);
         let probe = call % PROBE_EVERY == 0;
         let stream = if probe { (call / PROBE_EVERY) % 2 == 1 } else { e.streaming };
-        self.current = Some((c, stream, probe, std::time::Instant::now()));
+        self.current = Some((c, stream, probe, bytes, std::time::Instant::now()));
     }
 
     /// Ends the collective begun last, which succeeded: its time per byte goes into its
     /// class's estimate. (A failed call is not ended: the next [`Self::begin`] drops it.)
-    pub fn end(&mut self, bytes: usize) {
-        if let Some((c, stream, probe, t0)) = self.current.take() {
+    pub fn end(&mut self) {
+        if let Some((c, stream, probe, bytes, t0)) = self.current.take() {
             self.record(c, stream, probe, t0.elapsed().as_nanos() as f64 / bytes.max(1) as f64);
         }
     }
@@ -170,7 +176,7 @@ impl Streamer {
     /// Ends the call in progress as if it had taken `ns_per_byte` (tests).
     #[cfg(test)]
     fn end_as(&mut self, ns_per_byte: f64) {
-        if let Some((c, stream, probe, _)) = self.current.take() {
+        if let Some((c, stream, probe, _, _)) = self.current.take() {
             self.record(c, stream, probe, ns_per_byte);
         }
     }
@@ -182,7 +188,7 @@ impl Streamer {
             && match self.mode {
                 Mode::Plain => false,
                 Mode::Stream => true,
-                Mode::Auto => self.current.is_some_and(|(_, s, _, _)| s),
+                Mode::Auto => self.current.is_some_and(|(_, s, _, _, _)| s),
             }
     }
 
