@@ -382,11 +382,31 @@ def killed_rank(rank: int, world_size: int, tmp: str, victim: int, timeout_s: fl
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+    res["gloo_threads"] = _gloo_threads()
     return res
+
+
+def _gloo_threads() -> list:
+    """Names of this process's threads that belong to Gloo (its process groups' workers,
+    ``pt_gloo_runloop``, and its devices' event loops, ``gloo_tcp_loop``)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread has just exited
+            continue
+        if "gloo" in name:
+            names.append(name)
+    return sorted(names)
 
 
 @pytest.mark.parametrize("victim", [1, 2, 0])  # a node's second rank, the other node's leader, rank 0
 def test_rank_killed_on_either_node_is_reported_on_every_rank(victim):
+    """Every survivor raises within the timeout, and ``destroy_process_group`` frees the
+    Gloo groups between the nodes there and then: an error that kept one alive (through
+    its traceback) left Gloo's threads running into the interpreter's finalization, where
+    rank 2 once aborted at exit when rank 0 had died."""
     timeout_s = 30.0
     results = spawn(killed_rank, 4, env=GLOO_ENV, args=(victim, timeout_s), timeout=SPAWN_DEADLINE_S,
                     rank_env={r: {"FLAGOS_SHM_NODE_ID": k} for r, k in enumerate("aabb")}, may_die=(victim,))
@@ -397,6 +417,7 @@ def test_rank_killed_on_either_node_is_reported_on_every_rank(victim):
         print(f"victim {victim}: rank {rank} raised after {res['elapsed']:.2f} s: {res['error']}")
         assert res["error"] is not None, rank
         assert res["elapsed"] < timeout_s, (rank, res)
+        assert res["gloo_threads"] == [], (rank, res)
 
 
 # ==== disagreement, invalid arguments, teardown ===================================================

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from namespaces import needs_unshare, private_shm_namespace
 from spawn import spawn
-from test_multinode import GLOO_ENV, SPAWN_DEADLINE_S, _init
+from test_multinode import GLOO_ENV, SPAWN_DEADLINE_S, _gloo_threads, _init
 
 NODE_ENV = {r: {"FLAGOS_SHM_NODE_ID": k} for r, k in enumerate("aabb")}
 DTYPES = (torch.float32, torch.int64, torch.bfloat16, torch.bool, torch.uint8)
@@ -192,6 +192,7 @@ def failure_rank(rank: int, world_size: int, tmp: str, timeout_s: float) -> dict
         res["dead_s"] = time.monotonic() - t0
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
+    res["gloo_threads"] = _gloo_threads()
     return res
 
 
@@ -213,3 +214,6 @@ def test_p2p_mismatch_and_dead_peer_across_nodes_raise_clearly():
     assert dead["dead"] is not None and dead["dead"].startswith("RuntimeError"), dead
     assert "group rank 3" in dead["dead"], dead
     assert dead["dead_s"] < timeout_s, dead
+    # the failed receive's error holds no Gloo group: destroying the group freed them all
+    for r in (0, 1, 2):
+        assert results[r]["gloo_threads"] == [], (r, results[r])

@@ -8,12 +8,22 @@ down with the group, and the options every Gloo call takes.
   connections (:func:`make_all`);
 * ``gloo-col/<j>``: the ranks of local rank ``j``, one per node (rank = node index), made on
   first use by the reduce-scatter path (:func:`make_column`; :mod:`.rs`).
+
+A Gloo group lives as long as anything holds it, and with it its threads (Gloo's
+``pt_gloo_runloop`` workers, its device's ``gloo_tcp_loop``). An error out of a Gloo call
+holds it through its traceback (the frames of the failed call keep their locals), often
+in a reference cycle that only Python's garbage collector frees: at an arbitrary later
+moment on an arbitrary thread, or during the interpreter's finalization, where a rank
+whose peer had died once aborted (``terminate called without an active exception``).
+:func:`forget_locals` cuts that hold, so that closing or aborting the group frees its
+Gloo groups there and then.
 """
 
 from __future__ import annotations
 
 import os
 import time
+import traceback
 from datetime import timedelta
 from typing import Iterable
 
@@ -74,6 +84,22 @@ def release(groups: Iterable, abort: bool) -> None:
                 pg.abort() if abort else pg.shutdown()
             except Exception:  # noqa: BLE001  best effort: dropping it closes its connections
                 pass
+
+
+def forget_locals(exc: BaseException) -> None:
+    """Clear the local variables of the finished frames in ``exc``'s traceback and in those
+    of the exceptions it was raised from or during (``__cause__``, ``__context__``), so that
+    the error keeps no Gloo group, tensor or buffer of the failed call alive (module
+    docstring). Frames still executing (the caller's) keep theirs; the traceback's file
+    and line information stays."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
 
 
 def timed(opts_type, timeout_s: float):
