@@ -156,18 +156,15 @@ class HierarchicalComm(Algorithms, Protocol):
 
     def _guarded(self, fn: Callable[[], None]) -> Callable[[], None]:
         """``fn`` as a job: refused on an aborted or closed group; an error it raises keeps
-        none of its frames' locals (:func:`.groups.forget_locals`: no Gloo group outlives
-        the group's close through an error)."""
+        none of its frames' locals (:func:`.groups.forgetting_locals`: no Gloo group
+        outlives the group's close through an error)."""
         def run() -> None:
             if self._aborted is not None:
                 raise RuntimeError(f"flagos_shm: the multi-node group was aborted earlier ({self._aborted})")
             if self._closed:
                 raise RuntimeError("the process group has been shut down")
-            try:
+            with groups.forgetting_locals():
                 fn()
-            except BaseException as exc:
-                groups.forget_locals(exc)
-                raise
         return run
 
     def _t(self, timeout_s) -> float:
@@ -207,17 +204,11 @@ class HierarchicalComm(Algorithms, Protocol):
     def send_remote(self, peer: int, peer_name: str, data: torch.Tensor, tag: int, deadline: float) -> None:
         """:func:`.p2p.send` over the all-ranks Gloo group (an error keeps no locals, as in
         :meth:`_guarded`)."""
-        try:
+        with groups.forgetting_locals():
             p2p.send(self._all_group(), peer, peer_name, data, tag, deadline)
-        except BaseException as exc:
-            groups.forget_locals(exc)
-            raise
 
     def recv_remote(self, peer: int, peer_name: str, data: torch.Tensor, tag: int, deadline: float) -> None:
         """:func:`.p2p.recv` over the all-ranks Gloo group (an error keeps no locals, as in
         :meth:`_guarded`)."""
-        try:
+        with groups.forgetting_locals():
             p2p.recv(self._all_group(), peer, peer_name, data, tag, deadline)
-        except BaseException as exc:
-            groups.forget_locals(exc)
-            raise

@@ -15,12 +15,13 @@ holds it through its traceback (the frames of the failed call keep their locals)
 in a reference cycle that only Python's garbage collector frees: at an arbitrary later
 moment on an arbitrary thread, or during the interpreter's finalization, where a rank
 whose peer had died once aborted (``terminate called without an active exception``).
-:func:`forget_locals` cuts that hold, so that closing or aborting the group frees its
-Gloo groups there and then.
+:func:`forget_locals` (:func:`forgetting_locals` around a block) cuts that hold, so that
+closing or aborting the group frees its Gloo groups there and then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import traceback
@@ -100,6 +101,17 @@ def forget_locals(exc: BaseException) -> None:
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
         todo += [e.__cause__, e.__context__]
+
+
+@contextlib.contextmanager
+def forgetting_locals():
+    """Run the block; an error leaving it first loses its finished frames' locals
+    (:func:`forget_locals`)."""
+    try:
+        yield
+    except BaseException as exc:
+        forget_locals(exc)
+        raise
 
 
 def timed(opts_type, timeout_s: float):
