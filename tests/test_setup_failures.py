@@ -31,9 +31,21 @@ def setup_rank(rank: int, world_size: int, tmp: str, mode: str) -> dict:
     """Create a group of ``world_size`` ranks; report the error (if any) and when it came.
 
     ``mode="die-before-attach"``: rank 1 joins 1 s late (after rank 0 has created the
-    segment) and exits just before attaching."""
+    segment) and exits just before attaching. ``mode="slow-reader"``: rank 1 reads the
+    probes' verdicts from the store 1 s late, after rank 0, which holds the store, has
+    raised."""
     import flagos_shm
     from flagos_shm import _core
+    from flagos_shm.backend import rendezvous
+
+    if mode == "slow-reader" and rank == 1:
+        get_all = rendezvous._get_all
+
+        def slow(store, keys):
+            if any("/probe/" in k for k in keys):
+                time.sleep(1.0)
+            return get_all(store, keys)
+        rendezvous._get_all = slow
 
     if mode == "die-before-attach" and rank == 1:
         time.sleep(1.0)
@@ -73,10 +85,15 @@ def test_rank_dying_after_publishing_its_pid_is_noticed_at_once(tmp_path):
 
 
 @needs_unshare
-def test_rank_that_cannot_open_the_segment_fails_every_rank_at_once():
-    """Rank 1 has another /dev/shm but FLAGOS_SHM_NODE_ID says it is on rank 0's node."""
+@pytest.mark.parametrize("mode", ["plain", "slow-reader"])
+def test_rank_that_cannot_open_the_segment_fails_every_rank_at_once(mode):
+    """Rank 1 has another /dev/shm but FLAGOS_SHM_NODE_ID says it is on rank 0's node.
+
+    Rank 0 holds the store (``TCPStore``); a rank that raised used to leave at once and
+    take the store along, so that rank 1, still reading why, once raised ``DistNetworkError:
+    Broken pipe`` instead (``slow-reader`` makes that reader late every time)."""
     with private_shm_namespace() as (prefix, leftovers):
-        results = spawn(setup_rank, 2, args=("plain",), timeout=DEADLINE_S, wrap={1: prefix},
+        results = spawn(setup_rank, 2, args=(mode,), timeout=DEADLINE_S, wrap={1: prefix},
                         env={"FLAGOS_SHM_NODE_ID": "same-node"})
         assert leftovers() == []
     for rank, res in enumerate(results):

@@ -48,6 +48,9 @@ _STORE_ERROR = "error:"
 _OK = "ok"
 
 _POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.01  # store polling while a group is set up: 1 ms, backing off to 10 ms
+#: A rank whose set-up failed waits at most this long (seconds) for its peers to be done
+#: with the store before it raises (:func:`_leave_together`).
+LEAVE_WAIT_S = 2.0
 
 
 class SetupError(RuntimeError):
@@ -284,7 +287,9 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) 
     milliseconds, here and by the core's attach) and whether every peer could open its
     segment. Only a rank that dies before publishing its id is noticed at the timeout. If
     creation fails, the leader publishes an error marker instead of a path and the node's
-    other ranks raise ``RuntimeError`` instead of waiting.
+    other ranks raise ``RuntimeError`` instead of waiting. A rank whose set-up fails
+    publishes why, then waits (at most :data:`LEAVE_WAIT_S`) until its peers are done with
+    the store too before it raises, so that a store living in it outlasts their reads.
 
     Raises:
         SetupError: a rank that ``FLAGOS_SHM_NODE_ID`` puts on a node cannot open its
@@ -297,9 +302,41 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) 
     base = publish_pid(store, rank, world_size)
     try:
         return _find_nodes(store, rank, world_size, base, deadline)
-    except BaseException as exc:
+    except Exception as exc:
+        publish_failure(store, base, rank, exc)
+        _leave_together(store, base, rank, world_size, deadline)
+        raise
+    except BaseException as exc:  # Ctrl-C and the like: leave at once
         publish_failure(store, base, rank, exc)
         raise
+
+
+def _leave_together(store: dist.Store, base: str, rank: int, world_size: int, deadline: float) -> None:
+    """On a failed set-up: say that this rank is done with the store for incarnation
+    ``base``, then wait until every other rank has said so, has exited, or
+    :data:`LEAVE_WAIT_S` (never past ``deadline``) has passed. Never raises.
+
+    The store often lives in one of the ranks (``TCPStore`` on rank 0): a rank that raised
+    and exited at once took it along while its peers were still reading why the set-up
+    failed (a probe's verdicts, a segment error, the failure key), and they raised
+    ``DistNetworkError: Broken pipe`` instead of the cause. Every failing rank reaches this
+    point within a poll interval of the first (each wait of the set-up also watches the
+    failure key), so the wait is short; exited ranks are not waited for, and ranks whose
+    processes this rank cannot watch (other PID namespaces) at most ``LEAVE_WAIT_S``."""
+    end = min(deadline, time.monotonic() + LEAVE_WAIT_S)
+    pause = _POLL_FIRST_S
+    try:
+        store.set(f"{base}/left/{rank}", "1")
+        watch = _Watch(store, base, rank, world_size, _parse_peer(json.dumps(identity())))
+        while True:
+            gone = {r for r, pid in watch().items() if _core.process_exited(pid)}
+            keys = [f"{base}/left/{r}" for r in range(world_size) if r != rank and r not in gone]
+            if not keys or store.check(keys) or time.monotonic() >= end:
+                return
+            time.sleep(pause)
+            pause = min(2 * pause, _POLL_MAX_S)
+    except Exception:  # noqa: BLE001  the store may be gone already: nothing left to wait for
+        pass
 
 
 def _find_nodes(store: dist.Store, rank: int, world_size: int, base: str, deadline: float) -> Layout:
