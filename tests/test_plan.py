@@ -287,3 +287,54 @@ def test_ranks_with_different_plans_raise_a_mismatch_and_stay_usable(worlds, bac
     for error, usable in worlds(2).run(different_plans_mismatch):
         assert error and "two-step" in error and "ranks disagree" in error, error
         assert usable
+
+
+# ---- fresh processes: init_process_group on a store that outlives the group --------------
+
+
+def reinit_rank(rank: int, world_size: int, tmp: str, plans: list) -> list:
+    """``init_process_group`` / ``destroy_process_group`` once per entry of ``plans``
+    (``FLAGOS_SHM_PLAN`` of that cycle, the same on every rank), all on one ``TCPStore``;
+    returns each cycle's plan, source and whether an allreduce of 4 KiB (one-shot under
+    the fallback plan, two-step under ``one_shot_max=1K``) was right."""
+    from datetime import timedelta
+
+    from flagos_shm.backend import shm_part
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0, timeout=timedelta(seconds=30))
+    out = []
+    for p in plans:
+        os.environ["FLAGOS_SHM_PLAN"] = p
+        dist.init_process_group("flagos_shm", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=30))
+        part = shm_part(dist.group.WORLD)
+        t = torch.full((1024,), float(rank + 1))
+        try:
+            dist.all_reduce(t)
+            error = None
+        except ValueError as exc:
+            error = str(exc)
+        out.append({"plan": part._comm.plan, "source": part._plan_source, "error": error,
+                    "correct": bool(torch.all(t == world_size * (world_size + 1) / 2))})
+        dist.destroy_process_group()
+    store.set(f"done/{rank}", "1")  # the store lives in rank 0: it leaves last
+    store.wait([f"done/{r}" for r in range(world_size)])
+    return out
+
+
+def test_a_group_made_again_on_the_same_store_agrees_on_its_own_plan():
+    """The plan's keys in the store belong to one incarnation of the group: a group made
+    again on the same store (destroy_process_group, then init_process_group with the same
+    store object) under another FLAGOS_SHM_PLAN gets that plan on every rank. (The keys
+    were the same for every incarnation: a rank other than 0 read the previous group's
+    outcome and kept its plan, so calls that the two plans move differently raised a
+    mismatch; with FLAGOS_SHM_PLAN=auto it calibrated alone after a cached plan was read.)"""
+    from spawn import spawn
+
+    plans = ["one_shot_max=1K", "fallback", "one_shot_max=1K"]
+    results = spawn(reinit_rank, 2, args=(plans,), timeout=120)
+    for rank, cycles in enumerate(results):
+        for p, cycle in zip(plans, cycles):
+            want = plan.parse(p) if p != "fallback" else plan.FALLBACK
+            assert cycle["plan"] == want and cycle["error"] is None and cycle["correct"], (rank, p, cycle)

@@ -391,10 +391,16 @@ def _request() -> str:
                        "cma_min_bytes": config.cma_min_bytes()})
 
 
-def setup(comm, store, rank: int, world_size: int, where: str) -> Tuple[dict, str]:
+def setup(comm, store, rank: int, world_size: int, where: str, base: str) -> Tuple[dict, str]:
     """Agree on the group's plan (module docstring) and set it on ``comm``. Every rank of
     the group calls this right after attaching. Returns ``(plan, source)``, source one of
     ``"env"``, ``"fallback"``, ``"cache"``, ``"calibrated"``.
+
+    ``base``: the key prefix of this incarnation of the group in ``store`` (the
+    rendezvous', ``Layout.base``). The plan's keys live under it: a store that outlives
+    the group (``init_process_group(store=...)`` again after ``destroy_process_group``)
+    still holds the previous incarnation's request and outcome, which a rank must not
+    read as this one's.
 
     Raises:
         ValueError: ``FLAGOS_SHM_PLAN`` or ``FLAGOS_SHM_CMA_MIN_BYTES`` is malformed (on
@@ -402,10 +408,10 @@ def setup(comm, store, rank: int, world_size: int, where: str) -> Tuple[dict, st
     """
     mine = _request()  # a malformed FLAGOS_SHM_CMA_MIN_BYTES raises here, before publishing anything
     parse(json.loads(mine)["plan"])  # malformed: raise here, before publishing anything
-    store.set(f"plan/request/{rank}", mine)
+    store.set(f"{base}/plan/request/{rank}", mine)
     if rank == 0:
-        store.set("plan/outcome", _resolve(comm, store, world_size, mine))
-    outcome = json.loads(store.get("plan/outcome"))
+        store.set(f"{base}/plan/outcome", _resolve(comm, store, base, world_size, mine))
+    outcome = json.loads(store.get(f"{base}/plan/outcome"))
     if "error" in outcome:
         raise ValueError(f"{where}: {outcome['error']}")
     key, source = outcome.get("key"), outcome["source"]
@@ -431,8 +437,8 @@ def setup(comm, store, rank: int, world_size: int, where: str) -> Tuple[dict, st
     return comm.plan, source
 
 
-def _resolve(comm, store, world_size: int, mine: str) -> str:
-    requests = [store.get(f"plan/request/{r}").decode() for r in range(world_size)]
+def _resolve(comm, store, base: str, world_size: int, mine: str) -> str:
+    requests = [store.get(f"{base}/plan/request/{r}").decode() for r in range(world_size)]
     differ = [r for r, req in enumerate(requests) if req != mine]
     if differ:
         return json.dumps({"error": f"ranks disagree on {config.ENV_PLAN} / FLAGOS_SHM_CMA_MIN_BYTES: rank 0 "

@@ -186,7 +186,7 @@ class CollectiveBase:
         if layout.single_node:
             self._comm = attach(layout, timeout_s, where)
             try:
-                self._plan, self._plan_source = plan.setup(self._comm, store, rank, world_size, where)
+                self._plan, self._plan_source = plan.setup(self._comm, store, rank, world_size, where, layout.base)
             except BaseException:
                 self._comm.close()
                 raise
