@@ -338,3 +338,40 @@ def test_a_group_made_again_on_the_same_store_agrees_on_its_own_plan():
         for p, cycle in zip(plans, cycles):
             want = plan.parse(p) if p != "fallback" else plan.FALLBACK
             assert cycle["plan"] == want and cycle["error"] is None and cycle["correct"], (rank, p, cycle)
+
+
+def init_rank(rank: int, world_size: int, tmp: str) -> dict:
+    """``init_process_group`` (env://: the TCPStore lives in rank 0) and one allreduce;
+    returns the error it raised, if any, and how long that took."""
+    import time
+    from datetime import timedelta
+
+    t0 = time.monotonic()
+    try:
+        dist.init_process_group("flagos_shm", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        dist.destroy_process_group()
+        error = None
+    except Exception as exc:  # noqa: BLE001  reported to the test
+        error = f"{type(exc).__name__}: {exc}"
+    return {"error": error, "s": time.monotonic() - t0}
+
+
+@pytest.mark.parametrize("bad_rank,var,value", [(1, "FLAGOS_SHM_PLAN", "fast"),
+                                                (0, "FLAGOS_SHM_PLAN", "one_shot_max=12X"),
+                                                (1, "FLAGOS_SHM_CMA_MIN_BYTES", "64K")])
+def test_a_malformed_request_on_one_rank_raises_on_every_rank_at_once(bad_rank, var, value):
+    """FLAGOS_SHM_PLAN or FLAGOS_SHM_CMA_MIN_BYTES malformed on one rank only: every rank
+    raises ValueError naming the variable and that rank, at once (not at the group's
+    timeout of 60 s), also when the bad rank holds the store (rank 0 under env://). (The
+    bad rank raised before publishing its request: rank 0 waited for it until the
+    timeout and raised DistStoreError; where rank 0 was the bad one, it exited with the
+    store and its peer raised DistNetworkError.)"""
+    from spawn import spawn
+
+    results = spawn(init_rank, 2, rank_env={bad_rank: {var: value}}, timeout=120)
+    for rank, res in enumerate(results):
+        assert res["error"] and res["error"].startswith("ValueError") and var in res["error"], (rank, res)
+        assert f"group rank {bad_rank}" in res["error"], (rank, res)
+        assert res["s"] < 20, (rank, res)

@@ -44,7 +44,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
-from . import config
+from . import config, rendezvous
 
 _log = logging.getLogger("flagos_shm")
 
@@ -403,16 +403,25 @@ def setup(comm, store, rank: int, world_size: int, where: str, base: str) -> Tup
     read as this one's.
 
     Raises:
-        ValueError: ``FLAGOS_SHM_PLAN`` or ``FLAGOS_SHM_CMA_MIN_BYTES`` is malformed (on
-            the ranks that set it), or the ranks asked for different plans (on every rank).
+        ValueError: ``FLAGOS_SHM_PLAN`` or ``FLAGOS_SHM_CMA_MIN_BYTES`` is malformed on
+            some rank, or the ranks asked for different plans: on every rank, naming the
+            ranks. A malformed request is published as such, so that the peers learn of
+            it at once instead of waiting for a request that never comes; and a rank
+            leaves only once its peers have read the outcome (or at most
+            ``rendezvous.LEAVE_WAIT_S``), so that a store living in it (``TCPStore`` on
+            rank 0) outlasts their reads.
     """
-    mine = _request()  # a malformed FLAGOS_SHM_CMA_MIN_BYTES raises here, before publishing anything
-    parse(json.loads(mine)["plan"])  # malformed: raise here, before publishing anything
+    try:
+        mine = _request()  # a malformed FLAGOS_SHM_CMA_MIN_BYTES raises here
+        parse(json.loads(mine)["plan"])  # and a malformed FLAGOS_SHM_PLAN here
+    except ValueError as exc:
+        mine = json.dumps({"error": str(exc)})  # published instead of a request: every rank raises it
     store.set(f"{base}/plan/request/{rank}", mine)
     if rank == 0:
         store.set(f"{base}/plan/outcome", _resolve(comm, store, base, world_size, mine))
     outcome = json.loads(store.get(f"{base}/plan/outcome"))
     if "error" in outcome:
+        rendezvous._leave_together(store, base, rank, world_size, time.monotonic() + rendezvous.LEAVE_WAIT_S)
         raise ValueError(f"{where}: {outcome['error']}")
     key, source = outcome.get("key"), outcome["source"]
     if source == "calibrate":
@@ -439,6 +448,10 @@ def setup(comm, store, rank: int, world_size: int, where: str, base: str) -> Tup
 
 def _resolve(comm, store, base: str, world_size: int, mine: str) -> str:
     requests = [store.get(f"{base}/plan/request/{r}").decode() for r in range(world_size)]
+    malformed = [f"group rank {r}: {json.loads(req)['error']}" for r, req in enumerate(requests)
+                 if "error" in json.loads(req)]
+    if malformed:
+        return json.dumps({"error": "; ".join(malformed)})
     differ = [r for r, req in enumerate(requests) if req != mine]
     if differ:
         return json.dumps({"error": f"ranks disagree on {config.ENV_PLAN} / FLAGOS_SHM_CMA_MIN_BYTES: rank 0 "
