@@ -31,6 +31,21 @@ def test_parse_words_and_explicit_thresholds():
             plan.parse(bad)
 
 
+def test_thresholds_that_do_not_fit_64_bits_are_refused_by_name():
+    """A threshold the core cannot hold (it takes 64-bit sizes) is a malformed
+    FLAGOS_SHM_PLAN, and a cache entry holding one is corrupt (ignored, measured again):
+    set_plan raised OverflowError ('int too big to convert') on every rank, naming
+    nothing, and a cache entry with such a value failed every later group's creation."""
+    for bad in ("one_shot_max=99999999999G", f"allgather_single_copy={1 << 64}"):
+        with pytest.raises(ValueError, match="FLAGOS_SHM_PLAN"):
+            plan.parse(bad)
+    assert plan.parse(f"one_shot_max={(1 << 64) - 1}")["one_shot_max_bytes"] == (1 << 64) - 1
+    ok = dict(plan.FALLBACK)
+    assert plan.valid_plan(ok)
+    for key in plan.KEYS:
+        assert not plan.valid_plan(dict(ok, **{key: 1 << 64})), key
+
+
 def _measured(ar_one, ar_two, ar_cma, ag_slots, ag_cma):
     return {"allreduce": {"one_shot": ar_one, "two_step": ar_two, "single_copy": ar_cma},
             "allgather": {"slots": ag_slots, "single_copy": ag_cma},

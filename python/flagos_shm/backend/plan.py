@@ -87,6 +87,7 @@ RUN_GAP_S = 60.0
 #: max(CPU count, group size) + this when it ended.
 BUSY_MARGIN = 1.0
 _NEVER = None
+_LIMIT = 1 << 64  # thresholds are the core's 64-bit sizes (usize)
 
 
 def cache_dir() -> str:
@@ -120,11 +121,11 @@ def _cache_path(key: str) -> str:
 
 
 def valid_plan(plan) -> bool:
-    """Whether ``plan`` is a dict with exactly :data:`KEYS`, each a non-negative int (the
-    single-copy ones may be None)."""
+    """Whether ``plan`` is a dict with exactly :data:`KEYS`, each a non-negative int below
+    2**64 (the core's sizes; the single-copy ones may be None)."""
     if not isinstance(plan, dict) or set(plan) != set(KEYS):
         return False
-    ok = lambda v, none: (v is None and none) or (type(v) is int and v >= 0)  # noqa: E731
+    ok = lambda v, none: (v is None and none) or (type(v) is int and 0 <= v < _LIMIT)  # noqa: E731
     return ok(plan["one_shot_max_bytes"], False) and all(ok(plan[k], True) for k in SINGLE_COPY_KEYS)
 
 
@@ -198,7 +199,10 @@ def _bytes(text: str, what: str) -> Optional[int]:
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
     if not m:
         raise ValueError(f"{config.ENV_PLAN}: {what}={text!r}: expected bytes (e.g. 262144, 256K, 2M) or 'never'")
-    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+    value = int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
+    if value >= _LIMIT:
+        raise ValueError(f"{config.ENV_PLAN}: {what}={text!r}: {value} bytes do not fit the core's 64-bit sizes")
+    return value
 
 
 def parse(text: str):
