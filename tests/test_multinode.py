@@ -460,6 +460,45 @@ def test_disagreement_across_nodes_raises_everywhere_and_the_group_stays_usable(
         assert res["torn_down"], (rank, res)
 
 
+
+def premul_factor_rank(rank: int, world_size: int, tmp: str, split: int) -> dict:
+    """PREMUL_SUM with factor 1 on ranks below ``split``, 2 from it on (the same within
+    each node of the tests' layouts): the error each rank raises, or the result; then a
+    plain allreduce, to show the group is still usable."""
+    _init(rank, world_size)
+    res = {}
+    x = torch.full((1000,), 1.0 + rank)
+    try:
+        dist.all_reduce(x, op=dist._make_nccl_premul_sum(1.0 if rank < split else 2.0))
+        res["error"], res["result"] = None, x[:3].tolist()
+    except Exception as exc:  # noqa: BLE001
+        res["error"] = f"{type(exc).__name__}: {exc}"
+    z = torch.full((5,), float(rank))
+    dist.all_reduce(z)
+    res["after"] = z.tolist()
+    dist.destroy_process_group()
+    return res
+
+
+@pytest.mark.parametrize("layout,split,rs_min", [("ab", 1, "off"), ("aab", 2, "off"), ("aabb", 2, "0")])
+def test_premul_sum_factors_that_differ_between_nodes_raise_everywhere(layout, split, rs_min):
+    """Ranks must pass the same PREMUL_SUM factor (README, Reduce ops); on one node the
+    core refuses different ones. Factors equal within each node but different between
+    nodes must be refused too, on every rank, with the group left usable: the leaders'
+    descriptor had no factor, so each node scaled by its own and the call returned a sum
+    that no single factor gives (two nodes of one rank, inputs 1 and 2, factors 1 and 2:
+    5 on every rank), on the leader path and on the reduce-scatter path alike."""
+    n = len(layout)
+    results = spawn(premul_factor_rank, n, env=GLOO_ENV, args=(split,), timeout=SPAWN_DEADLINE_S,
+                    rank_env={r: {"FLAGOS_SHM_NODE_ID": k, "FLAGOS_SHM_HIER_RS_MIN_BYTES": rs_min}
+                              for r, k in enumerate(layout)})
+    for rank, res in enumerate(results):
+        assert res["error"] and res["error"].startswith("ValueError"), (rank, res)
+        assert res["after"] == [float(sum(range(n)))] * 5, (rank, res)
+    leaders = [results[r]["error"] for r in range(n) if r == 0 or layout[r] != layout[r - 1]]
+    assert all("factor" in e for e in leaders), leaders
+
+
 # ==== device tensors (the emulated flagos device) ==================================================
 
 

@@ -23,7 +23,7 @@ from torch._C._distributed_c10d import AllToAllOptions, BroadcastOptions
 from ... import staging
 from . import alltoallv_coalesced, groups, rs
 from .host import _TORCH, AVG, PREMUL_SUM, SUM, _acc_dtype, _checked_view, _clone, _convert, _nbytes, _reduce_into
-from .protocol import _ALLTOALL_NAMES, _DTYPE_CODE, _KIND_CODE, aborting
+from .protocol import _ALLTOALL_NAMES, _DTYPE_CODE, _KIND_CODE, aborting, factor_code
 
 
 class Algorithms:
@@ -79,7 +79,7 @@ class Algorithms:
 
         def post() -> None:
             self.local.broadcast(x.data_ptr(), _nbytes(x), numel, dtype, 0, t)
-        self._phases((_KIND_CODE[kind], numel, _DTYPE_CODE[dtype], op, root), t,
+        self._phases((_KIND_CODE[kind], numel, _DTYPE_CODE[dtype], op, root, factor_code(op, factor)), t,
                      pre if multi else None, inter, post if multi else None)
 
     def _reduce_all(self, kind: str, x: torch.Tensor, dtype: str, op: int, factor: float, root: int, t: float) -> None:

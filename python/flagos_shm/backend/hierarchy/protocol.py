@@ -3,26 +3,41 @@ its data: the phases (node step, leaders' step, node step), the descriptor the l
 exchange first, and the failure shape.
 
 Before the data of every call the leaders (or, for all-to-all, all ranks) allgather a small
-descriptor ``(failed, kind, element count, dtype, op, root)``: ranks that disagree, or a
-peer that rejected its arguments, make every rank raise ``ValueError`` and the group stays
-usable. Any other failure aborts the group (:func:`aborting`).
+descriptor ``(failed, kind, element count, dtype, op, root, factor)`` (factor: PREMUL_SUM's,
+:func:`factor_code`; 0 otherwise): ranks that disagree, or a peer that rejected its
+arguments, make every rank raise ``ValueError`` and the group stays usable. Any other
+failure aborts the group (:func:`aborting`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import struct
 
 import torch
 
 from ... import staging
 from .. import options
 from . import groups
+from .host import PREMUL_SUM
 
 _DTYPE_CODE = {name: i + 1 for i, name in enumerate(staging.CORE_DTYPES.values())}
 _KINDS = ("barrier", "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather", "scatter", "alltoall",
           "allreduce_rs", "reduce_rs", "reduce_scatter_rs")  # *_rs: the path of :mod:`.rs`
 _KIND_CODE = {k: i + 1 for i, k in enumerate(_KINDS)}
 _ALLTOALL_NAMES = ("alltoall", "all_to_all_single", "alltoall_base", "alltoallv")
+_HEADER = 6  # fields of a descriptor after the failure flag (kind, count, dtype, op, root, factor)
+
+
+def factor_code(op: int, factor: float) -> int:
+    """The descriptor's factor field: PREMUL_SUM's factor as the int64 of its float64 bits
+    (so that nodes that scale by different factors disagree, as ranks of one node do in
+    the core), 0 for every other op."""
+    return struct.unpack("<q", struct.pack("<d", float(factor)))[0] if op == PREMUL_SUM else 0
+
+
+def _factor(code: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", int(code)))[0]
 
 
 @contextlib.contextmanager
@@ -44,10 +59,10 @@ class Protocol:
     exchange and the phases of one call (module docstring)."""
 
     def _exchange(self, header: tuple, timeout_s: float, failed: bool = False, group: str = "leaders") -> None:
-        """Allgather ``(failed, *header)`` among the leaders (or all ranks); ValueError if a
-        peer failed the call or the headers differ (not when ``failed``: the caller raises its
-        own error)."""
-        mine = torch.tensor([int(failed), *header], dtype=torch.int64)
+        """Allgather ``(failed, *header)`` among the leaders (or all ranks), ``header``
+        padded with zeros to :data:`_HEADER` fields; ValueError if a peer failed the call or
+        the headers differ (not when ``failed``: the caller raises its own error)."""
+        mine = torch.tensor([int(failed), *header, *[0] * (_HEADER - len(header))], dtype=torch.int64)
         rows = groups.allgather_rows(self._gloo(group), mine, timeout_s)
         if failed:
             return
@@ -59,8 +74,8 @@ class Protocol:
                              "(a rank there failed it; see its error)")
         if not bool((rows[:, 1:] == mine[1:]).all()):
             calls = "; ".join(f"{who(k)}: {self._describe(rows[k, 1:].tolist())}" for k in range(rows.shape[0]))
-            raise ValueError(f"flagos_shm: ranks disagree on the collective (kind, element count, dtype, op, root): "
-                             f"{calls}")
+            raise ValueError(f"flagos_shm: ranks disagree on the collective (kind, element count, dtype, op, "
+                             f"PREMUL_SUM factor, root): {calls}")
 
     @staticmethod
     def _describe(h: list) -> str:
@@ -69,7 +84,10 @@ class Protocol:
         if kind == "alltoall":  # element count -1: per-peer counts (alltoallv), exchanged next
             return (f"alltoallv({dtype}, per-peer counts: split sizes or tensor lists)" if h[1] == -1 else
                     f"alltoall({h[1]} x {dtype} to each rank: no split sizes)")
-        return f"{kind}({h[1]} x {dtype}, op {options.OP_NAMES[h[3]] if 0 <= h[3] < 9 else h[3]}, root {h[4]})"
+        op = options.OP_NAMES[h[3]] if 0 <= h[3] < 9 else h[3]
+        if h[3] == PREMUL_SUM and len(h) > 5:
+            op = f"{op} factor {_factor(h[5])!r}"
+        return f"{kind}({h[1]} x {dtype}, op {op}, root {h[4]})"
 
     def _allgather_rows(self, t: torch.Tensor, timeout_s: float) -> torch.Tensor:
         """Gloo allgather of ``t`` (1-D, contiguous) among the leaders: [n_nodes, numel]."""

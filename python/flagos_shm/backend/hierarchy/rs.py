@@ -40,7 +40,7 @@ from ... import staging
 from .. import config
 from . import groups
 from .host import AVG, PREMUL_SUM, SUM, _acc_dtype, _clone, _convert, _nbytes, _reduce_into
-from .protocol import _DTYPE_CODE, _KIND_CODE
+from .protocol import _DTYPE_CODE, _KIND_CODE, factor_code
 
 __all__ = ["eligible", "allreduce_rs", "close_columns"]
 
@@ -127,4 +127,5 @@ def allreduce_rs(comm, kind: str, x: torch.Tensor, dtype: str, op: int, factor: 
         if into is not x:
             staging.copy_into(x, into[:n])
 
-    comm._phases((_KIND_CODE[kind + "_rs"], n, _DTYPE_CODE[dtype], op, root), t, pre, None, post)
+    comm._phases((_KIND_CODE[kind + "_rs"], n, _DTYPE_CODE[dtype], op, root, factor_code(op, factor)), t, pre, None,
+                 post)
