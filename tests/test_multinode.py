@@ -20,6 +20,7 @@ import hashlib
 import os
 import signal
 import time
+import traceback
 from datetime import timedelta
 
 import pytest
@@ -399,6 +400,51 @@ def _gloo_threads() -> list:
         if "gloo" in name:
             names.append(name)
     return sorted(names)
+
+
+def _innermost_locals(exc: BaseException) -> list:
+    tb = exc.__traceback__
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return sorted(tb.tb_frame.f_locals)
+
+
+def test_forgetting_locals_clears_the_failed_call_but_not_the_error_being_handled():
+    """What an error out of a Gloo call keeps (``groups.forgetting_locals``, which the
+    hierarchy's jobs and cross-node point-to-point run in): the failed call's frames lose
+    their locals (in the real case, the Gloo group), the frames and locals of an error the
+    caller was already handling (a collective called in the user's ``except`` block) stay,
+    and so does every traceback line."""
+    from flagos_shm.backend.hierarchy import groups
+
+    def users_step():
+        users_state = [1, 2, 3]  # noqa: F841  (what a post-mortem debugger would look at)
+        raise KeyError("the user's own error")
+
+    def failed_call(pg):
+        raise RuntimeError("Gloo: connection reset by peer")
+
+    def call_from(handling: bool):
+        try:
+            if handling:
+                try:
+                    users_step()
+                except KeyError:
+                    with groups.forgetting_locals():
+                        failed_call(pg=object())
+            else:
+                with groups.forgetting_locals():
+                    failed_call(pg=object())
+        except RuntimeError as exc:
+            return exc
+
+    plain = call_from(handling=False)
+    assert _innermost_locals(plain) == []
+    assert "failed_call" in "".join(traceback.format_exception(plain))
+    inside = call_from(handling=True)
+    assert _innermost_locals(inside) == []
+    assert isinstance(inside.__context__, KeyError)
+    assert _innermost_locals(inside.__context__) == ["users_state"]
 
 
 @pytest.mark.parametrize("victim", [1, 2, 0])  # a node's second rank, the other node's leader, rank 0

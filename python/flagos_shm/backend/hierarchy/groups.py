@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 import traceback
 from datetime import timedelta
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -87,16 +88,18 @@ def release(groups: Iterable, abort: bool) -> None:
                 pass
 
 
-def forget_locals(exc: BaseException) -> None:
+def forget_locals(exc: BaseException, spare: Optional[BaseException] = None) -> None:
     """Clear the local variables of the finished frames in ``exc``'s traceback and in those
     of the exceptions it was raised from or during (``__cause__``, ``__context__``), so that
     the error keeps no Gloo group, tensor or buffer of the failed call alive (module
-    docstring). Frames still executing (the caller's) keep theirs; the traceback's file
-    and line information stays."""
+    docstring). Frames still executing (the caller's) keep theirs, and so does ``spare``
+    and every exception in its own chain (an error the caller was already handling when
+    it made the call: not the call's to clear); the traceback's file and line information
+    stays."""
     seen, todo = set(), [exc]
     while todo:
         e = todo.pop()
-        if e is None or id(e) in seen:
+        if e is None or e is spare or id(e) in seen:
             continue
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
@@ -106,11 +109,13 @@ def forget_locals(exc: BaseException) -> None:
 @contextlib.contextmanager
 def forgetting_locals():
     """Run the block; an error leaving it first loses its finished frames' locals
-    (:func:`forget_locals`)."""
+    (:func:`forget_locals`), sparing the error the calling thread was handling when the
+    block began (a collective called inside the user's ``except`` block)."""
+    handling = sys.exc_info()[1]
     try:
         yield
     except BaseException as exc:
-        forget_locals(exc)
+        forget_locals(exc, spare=handling)
         raise
 
 
