@@ -425,7 +425,7 @@ def setup(comm, store, rank: int, world_size: int, where: str, base: str) -> Tup
         store.set(f"{base}/plan/outcome", _resolve(comm, store, base, world_size, mine))
     outcome = json.loads(store.get(f"{base}/plan/outcome"))
     if "error" in outcome:
-        rendezvous._leave_together(store, base, rank, world_size, time.monotonic() + rendezvous.LEAVE_WAIT_S)
+        rendezvous.leave_together(store, base, rank, world_size, time.monotonic() + rendezvous.LEAVE_WAIT_S)
         raise ValueError(f"{where}: {outcome['error']}")
     key, source = outcome.get("key"), outcome["source"]
     if source == "calibrate":

@@ -39,7 +39,7 @@ from .. import _core
 from . import config
 from .config import segment_config
 
-__all__ = ["Layout", "SetupError", "identity", "publish_pid", "rendezvous"]
+__all__ = ["Layout", "SetupError", "identity", "leave_together", "publish_pid", "rendezvous"]
 
 _log = logging.getLogger("flagos_shm")
 
@@ -49,7 +49,7 @@ _OK = "ok"
 
 _POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.01  # store polling while a group is set up: 1 ms, backing off to 10 ms
 #: A rank whose set-up failed waits at most this long (seconds) for its peers to be done
-#: with the store before it raises (:func:`_leave_together`).
+#: with the store before it raises (:func:`leave_together`).
 LEAVE_WAIT_S = 2.0
 
 
@@ -304,17 +304,18 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) 
         return _find_nodes(store, rank, world_size, base, deadline)
     except Exception as exc:
         publish_failure(store, base, rank, exc)
-        _leave_together(store, base, rank, world_size, deadline)
+        leave_together(store, base, rank, world_size, deadline)
         raise
     except BaseException as exc:  # Ctrl-C and the like: leave at once
         publish_failure(store, base, rank, exc)
         raise
 
 
-def _leave_together(store: dist.Store, base: str, rank: int, world_size: int, deadline: float) -> None:
-    """On a failed set-up: say that this rank is done with the store for incarnation
-    ``base``, then wait until every other rank has said so, has exited, or
-    :data:`LEAVE_WAIT_S` (never past ``deadline``) has passed. Never raises.
+def leave_together(store: dist.Store, base: str, rank: int, world_size: int, deadline: float) -> None:
+    """On a failed set-up (here, and in :func:`flagos_shm.backend.plan.setup`): say that
+    this rank is done with the store for incarnation ``base``, then wait until every other
+    rank has said so, has exited, or :data:`LEAVE_WAIT_S` (never past ``deadline``,
+    ``time.monotonic()``) has passed. Never raises.
 
     The store often lives in one of the ranks (``TCPStore`` on rank 0): a rank that raised
     and exited at once took it along while its peers were still reading why the set-up
