@@ -452,8 +452,8 @@ def setup(comm, store, rank: int, world_size: int, where: str, base: str) -> Tup
 
 def _resolve(comm, store, base: str, world_size: int, mine: str) -> str:
     requests = [store.get(f"{base}/plan/request/{r}").decode() for r in range(world_size)]
-    malformed = [f"group rank {r}: {json.loads(req)['error']}" for r, req in enumerate(requests)
-                 if "error" in json.loads(req)]
+    parsed = [json.loads(req) for req in requests]
+    malformed = [f"group rank {r}: {p['error']}" for r, p in enumerate(parsed) if "error" in p]
     if malformed:
         return json.dumps({"error": "; ".join(malformed)})
     differ = [r for r, req in enumerate(requests) if req != mine]
