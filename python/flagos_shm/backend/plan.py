@@ -1,25 +1,30 @@
-"""The group's plan: which algorithm each collective uses at which size, measured on this
-machine (see ``rust/plan.rs`` and docs/design.md, "The plan").
+"""The plan of a node's communicator: which algorithm each collective uses at which size,
+measured on this machine (see ``rust/plan.rs`` and docs/design.md, "The plan").
 
-When a single-node group is created, its ranks agree on a plan through the group's store:
+When a group is created, its ranks agree on a plan through the group's store:
 
 1. every rank publishes what it asks for: ``FLAGOS_SHM_PLAN`` (``auto`` when unset) and
    ``FLAGOS_SHM_CMA_MIN_BYTES``; ranks that ask for different things raise ValueError, on
    every rank, naming the variable and the ranks;
-2. rank 0 resolves the request: an explicit plan, the core's fallback, the plan cached for
-   this machine (:func:`machine_key`), or "calibrate" (no cache entry, or
-   ``FLAGOS_SHM_PLAN=calibrate``), and publishes the outcome;
-3. on "calibrate" every rank runs :func:`calibrate` in lockstep (a fixed sequence of calls
+2. the leader of each node (on one node, rank 0) resolves the request for its node: an
+   explicit plan, the core's fallback, the plan cached for this machine
+   (:func:`machine_key`), or "calibrate" (no cache entry, or ``FLAGOS_SHM_PLAN=calibrate``),
+   and publishes the outcome;
+3. on "calibrate" every rank of the node runs :func:`calibrate` in lockstep (a fixed sequence of calls
    with forced paths, 1.7-1.9 s on a loaded 2-vCPU VM), the per-case times are reduced with MAX across
-   the ranks (so every rank holds the same numbers) and every rank derives the same plan
-   from them (:func:`decide`); rank 0 writes the cache, unless the machine was busy (load
+   the node's ranks (so every rank holds the same numbers) and every rank derives the same plan
+   from them (:func:`decide`); the leader writes the cache, unless the machine was busy (load
    average above the CPU count + 1): a plan measured under contention is used by that
    group but not kept;
 4. a cached plan is settled after :data:`SETTLE_RUNS` calibrations: until then the first
    group created :data:`RUN_GAP_S` or more after the last calibration measures again,
    and the plan is decided from the fastest figure of each case over the runs
-   (:func:`merge`), published by rank 0 so every rank merges the same ones. A single
+   (:func:`merge`), published by the leader so every rank merges the same ones. A single
    calibration can fall into one of the VM's slow phases and choose for it alone.
+
+A group that spans nodes thus has one plan per node (each node may be another kind of
+machine); the plan only chooses how the node's ranks move bytes among themselves, so
+every rank's result is the same whichever plans the nodes hold.
 
 ``FLAGOS_SHM_PLAN`` values: ``auto`` (default), ``calibrate`` (measure again, start the
 cache's runs afresh), ``fallback`` (the core's built-in guess, ``_core`` :data:`FALLBACK`; what the test
@@ -395,35 +400,56 @@ def _request() -> str:
                        "cma_min_bytes": config.cma_min_bytes()})
 
 
-def setup(comm, store, rank: int, world_size: int, where: str, base: str) -> Tuple[dict, str]:
-    """Agree on the group's plan (module docstring) and set it on ``comm``. Every rank of
-    the group calls this right after attaching. Returns ``(plan, source)``, source one of
-    ``"env"``, ``"fallback"``, ``"cache"``, ``"calibrated"``.
+def setup(comm, store, layout, rank: int, world_size: int, where: str, timeout_s: float) -> Tuple[dict, str]:
+    """Agree on the plan of ``comm``, this rank's node communicator (module docstring), and
+    set it. Every rank of the group calls this right after attaching. Returns ``(plan,
+    source)``, source one of ``"env"``, ``"fallback"``, ``"cache"``, ``"calibrated"``.
 
-    ``base``: the key prefix of this incarnation of the group in ``store`` (the
-    rendezvous', ``Layout.base``). The plan's keys live under it: a store that outlives
-    the group (``init_process_group(store=...)`` again after ``destroy_process_group``)
-    still holds the previous incarnation's request and outcome, which a rank must not
-    read as this one's.
+    Args:
+        layout: the rendezvous' :class:`~flagos_shm.backend.rendezvous.Layout`. Its
+            ``base``, the key prefix of this incarnation of the group in ``store``, holds
+            the plan's keys: a store that outlives the group (``init_process_group(store=
+            ...)`` again after ``destroy_process_group``) still holds the previous
+            incarnation's request and outcome, which a rank must not read as this one's.
+            On a group that spans nodes, every rank's request is checked against every
+            other's as on one node, and each node's leader resolves and measures (with the
+            node's ranks, on its segment) the plan of its own node: nodes may be
+            different machines.
+        timeout_s: the group's timeout, seconds: the longest this waits for the peers'
+            requests and the outcome.
 
     Raises:
         ValueError: ``FLAGOS_SHM_PLAN`` or ``FLAGOS_SHM_CMA_MIN_BYTES`` is malformed on
-            some rank, or the ranks asked for different plans: on every rank, naming the
-            ranks. A malformed request is published as such, so that the peers learn of
-            it at once instead of waiting for a request that never comes; and a rank
-            leaves only once its peers have read the outcome (or at most
+            some rank, or the ranks asked for different plans: on every rank of every
+            node, naming the ranks. A malformed request is published as such, so that the
+            peers learn of it at once instead of waiting for a request that never comes;
+            and a rank leaves only once its peers have read the outcome (or at most
             ``rendezvous.LEAVE_WAIT_S``), so that a store living in it (``TCPStore`` on
             rank 0) outlasts their reads.
+        RuntimeError: a rank of the node exited, a rank of the group gave up setting it
+            up (``rendezvous.publish_failure``: a rank of another node that could not
+            attach, say), or ``timeout_s`` passed, while this waited; or a calibration's
+            collective failed.
     """
+    base, node, local_rank, local_size = layout.base, layout.node, layout.local_rank, layout.local_size
+    deadline = time.monotonic() + timeout_s
+    # the node's ranks: their process ids are this rank's to watch (other nodes' are not)
+    pids = {r: int(layout.peers[r].get("pid", 0)) for r in layout.nodes[node] if r != rank}
+    watch = lambda: {r: pid for r, pid in pids.items() if pid > 0}  # noqa: E731
     try:
         mine = _request()  # a malformed FLAGOS_SHM_CMA_MIN_BYTES raises here
         parse(json.loads(mine)["plan"])  # and a malformed FLAGOS_SHM_PLAN here
     except ValueError as exc:
         mine = json.dumps({"error": str(exc)})  # published instead of a request: every rank raises it
     store.set(f"{base}/plan/request/{rank}", mine)
-    if rank == 0:
-        store.set(f"{base}/plan/outcome", _resolve(comm, store, base, world_size, mine))
-    outcome = json.loads(store.get(f"{base}/plan/outcome"))
+    outcome_key = f"{base}/plan/outcome/{node}"
+    if local_rank == 0:  # each node's leader: every leader reads every request, so all agree
+        rendezvous.wait_keys(store, [f"{base}/plan/request/{r}" for r in range(world_size)], deadline,
+                             "waiting for every rank's plan request", watch, base)
+        store.set(outcome_key, _resolve(comm, store, base, world_size, local_size))
+    else:
+        rendezvous.wait_keys(store, [outcome_key], deadline, "waiting for the node's plan", watch, base)
+    outcome = json.loads(store.get(outcome_key))
     if "error" in outcome:
         rendezvous.leave_together(store, base, rank, world_size, time.monotonic() + rendezvous.LEAVE_WAIT_S)
         raise ValueError(f"{where}: {outcome['error']}")
@@ -432,10 +458,10 @@ def setup(comm, store, rank: int, world_size: int, where: str, base: str) -> Tup
         t0 = time.perf_counter()
         runs = outcome.get("runs", []) + [{"epoch": round(time.time(), 1), "measured_us": calibrate(comm)}]
         plan, source = decide(merge([r["measured_us"] for r in runs])), "calibrated"
-        if rank == 0:
+        if local_rank == 0:
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
             # Measured while other processes compete for the CPUs: use it, do not keep it.
-            busy = load > max(os.cpu_count() or 1, world_size) + BUSY_MARGIN
+            busy = load > max(os.cpu_count() or 1, local_size) + BUSY_MARGIN
             path = None if busy else store_cached(key, runs)
             _log.debug("flagos_shm: calibration %d of %d in %.3f s (%s, load %.1f): %s; %s", len(runs), SETTLE_RUNS,
                        time.perf_counter() - t0, key, load, runs[-1]["measured_us"],
@@ -450,25 +476,27 @@ def setup(comm, store, rank: int, world_size: int, where: str, base: str) -> Tup
     return comm.plan, source
 
 
-def _resolve(comm, store, base: str, world_size: int, mine: str) -> str:
+def _resolve(comm, store, base: str, world_size: int, local_size: int) -> str:
+    """On a node's leader: the outcome for its node, from every rank's request (the same
+    verdict on every leader: the requests are compared with group rank 0's)."""
     requests = [store.get(f"{base}/plan/request/{r}").decode() for r in range(world_size)]
     parsed = [json.loads(req) for req in requests]
     malformed = [f"group rank {r}: {p['error']}" for r, p in enumerate(parsed) if "error" in p]
     if malformed:
         return json.dumps({"error": "; ".join(malformed)})
-    differ = [r for r, req in enumerate(requests) if req != mine]
+    differ = [r for r, req in enumerate(requests) if req != requests[0]]
     if differ:
         return json.dumps({"error": f"ranks disagree on {config.ENV_PLAN} / FLAGOS_SHM_CMA_MIN_BYTES: rank 0 "
-                                    f"has {json.loads(mine)}, ranks {differ} have "
-                                    f"{[json.loads(requests[r]) for r in differ]}; set the same on every rank"})
-    asked = parse(json.loads(mine)["plan"])
-    if world_size == 1 and not isinstance(asked, dict):  # nothing to choose between
+                                    f"has {parsed[0]}, ranks {differ} have "
+                                    f"{[parsed[r] for r in differ]}; set the same on every rank"})
+    asked = parse(parsed[0]["plan"])
+    if local_size == 1 and not isinstance(asked, dict):  # nothing to choose between
         return json.dumps({"source": "fallback", "plan": FALLBACK})
     if isinstance(asked, dict):
         return json.dumps({"source": "env", "plan": asked})
     if asked == "fallback":
         return json.dumps({"source": "fallback", "plan": FALLBACK})
-    key = machine_key(world_size, comm.slot_bytes, bool(comm.single_copy_available))
+    key = machine_key(local_size, comm.slot_bytes, bool(comm.single_copy_available))
     cached = load_cached(key) if asked == "auto" else None
     if cached is None:
         return json.dumps({"source": "calibrate", "key": key})

@@ -108,7 +108,8 @@ def _spin(words, k: int, value: int) -> None:
 
 
 def plan_info(group) -> Optional[dict]:
-    """The flagos_shm group's plan and where it came from, or None."""
+    """The flagos_shm group's plan and where it came from, or None. On a group that spans
+    (simulated) nodes, each node has its own plan: this is the one of the caller's node."""
     from ..backend import shm_part
 
     pg = shm_part(group, "cpu")
@@ -120,7 +121,8 @@ def plan_info(group) -> Optional[dict]:
     p = comm.plan
     stores = getattr(comm, "stream_mode", "?")  # FLAGOS_SHM_STREAM (rust/stream.rs)
     return {"plan": p, "source": getattr(pg, "_plan_source", "?"), "stores": stores,
-            "text": f"{plan_mod.describe(p)}; stores into the slots: {stores}"}
+            "text": ("this node's: " if hasattr(comm, "nodes") else "")
+            + f"{plan_mod.describe(p)}; stores into the slots: {stores}"}
 
 
 def multiples(results: Sequence[dict], copy_rows: Sequence[dict], xcopy_rows: Sequence[dict]) -> List[dict]:

@@ -149,8 +149,9 @@ class CollectiveBase:
             group_name: the c10d group name, used in error messages.
 
         Raises:
-            ValueError: bad ``FLAGOS_SHM_DIR`` / ``FLAGOS_SHM_SLOT_BYTES`` (on rank 0), or
-                ``rank`` out of range.
+            ValueError: bad ``FLAGOS_SHM_DIR`` / ``FLAGOS_SHM_SLOT_BYTES`` (on rank 0),
+                ``rank`` out of range, or a malformed or differing ``FLAGOS_SHM_PLAN`` /
+                ``FLAGOS_SHM_CMA_MIN_BYTES`` on any rank (on every rank; :func:`.plan.setup`).
             OSError: the segment directory is too small (on rank 0).
             RuntimeError: a peer did not attach in time, exited, or rank 0 failed to create
                 the segment.
@@ -186,14 +187,18 @@ class CollectiveBase:
         if layout.single_node:
             self._comm = attach(layout, timeout_s, where)
             try:
-                self._plan, self._plan_source = plan.setup(self._comm, store, rank, world_size, where, layout.base)
-            except BaseException:
+                self._plan, self._plan_source = plan.setup(self._comm, store, layout, rank, world_size, where,
+                                                           timeout_s)
+            except BaseException as exc:
                 self._comm.close()
+                if isinstance(exc, RuntimeError):  # a peer exited or gave up while this waited
+                    raise options.with_context(exc, f"{where}: setting up: {exc}") from exc
                 raise
         else:  # the group spans nodes: shared memory inside each, Gloo between them
             from ..hierarchy import HierarchicalComm
 
             self._comm = HierarchicalComm(store, layout, rank, world_size, timeout_s, where)
+            self._plan, self._plan_source = self._comm.plan, self._comm.plan_source
 
     def set_timeout(self, timeout) -> None:
         """Set the default timeout of later collectives (``timedelta`` or seconds > 0).

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
-from .. import options, rendezvous
+from .. import options, plan, rendezvous
 from ..collectives.base import attach
 from . import groups, p2p, rs
 from .algorithms import Algorithms
@@ -35,7 +35,8 @@ class HierarchicalComm(Algorithms, Protocol):
         where: the group, for error messages.
 
     Raises:
-        RuntimeError, ValueError: attaching to the node segment or connecting the leaders failed.
+        RuntimeError, ValueError: attaching to the node segment, agreeing on its plan
+            (:func:`~flagos_shm.backend.plan.setup`) or connecting the leaders failed.
     """
 
     def __init__(self, store: dist.Store, layout, rank: int, world_size: int, timeout_s: float, where: str):
@@ -59,6 +60,8 @@ class HierarchicalComm(Algorithms, Protocol):
             rendezvous.publish_failure(store, layout.base, rank, exc)
             raise
         try:
+            # this node's plan: each node may be another kind of machine (plan.setup)
+            _, self.plan_source = plan.setup(self.local, store, layout, rank, world_size, where, timeout_s)
             if self.leader:  # once every node has attached
                 self._leaders = groups.connect_leaders(store, layout, timeout_s)
         except BaseException as exc:
@@ -83,6 +86,16 @@ class HierarchicalComm(Algorithms, Protocol):
     @property
     def segment_bytes(self) -> int:
         return self.local.segment_bytes
+
+    @property
+    def plan(self) -> dict:
+        """This node's plan (:mod:`flagos_shm.backend.plan`)."""
+        return self.local.plan
+
+    @property
+    def stream_mode(self) -> str:
+        """How this node's ranks store into their slots (``FLAGOS_SHM_STREAM``)."""
+        return self.local.stream_mode
 
     @property
     def single_copy_min_bytes(self):
