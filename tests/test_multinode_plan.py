@@ -128,3 +128,32 @@ def test_a_bad_request_on_any_node_raises_on_every_rank_at_once(bad_rank, var, v
         assert res["error"] and res["error"].startswith("ValueError"), (rank, res)
         assert var in res["error"] and says in res["error"], (rank, res)
         assert res["s"] < GROUP_TIMEOUT_S / 3, (rank, res)
+
+
+def plan_death_rank(rank: int, world_size: int, tmp: str, victim: int, when: str) -> dict:
+    """``victim`` exits in the plan phase: before publishing its request (``"before"``), or
+    while it waits for the others' (``"after"``); the others set the group up and run one
+    allreduce. The error each of them raised, and how long that took."""
+    if rank == victim:
+        from flagos_shm.backend import rendezvous
+
+        def die(*args, **kwargs):
+            os._exit(3)
+        if when == "before":
+            plan.setup = die
+        else:  # the plan's first wait (the rendezvous' own waits do not go through it)
+            rendezvous.wait_keys = die
+    return init_rank(rank, world_size, tmp)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_rank_alone_on_its_node_dying_in_the_plan_phase_fails_every_rank_at_once(when):
+    """Rank 2 is node b's only rank: no node mate notices its exit and publishes it, so the
+    other node's ranks watch its process themselves (nodes on one machine share the PID
+    namespace), while its request is missing and while its leader is awaited (before: both
+    waited for the group's timeout)."""
+    results = spawn(plan_death_rank, 3, env=GLOO_ENV, args=(2, when), timeout=SPAWN_DEADLINE_S,
+                    rank_env=_nodes("aab"), may_die=(2,))
+    for rank, res in enumerate(results[:2]):
+        assert res["error"] and res["error"].startswith("RuntimeError"), (rank, res)
+        assert res["s"] < GROUP_TIMEOUT_S / 3, (rank, res)

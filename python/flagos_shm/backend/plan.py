@@ -426,16 +426,16 @@ def setup(comm, store, layout, rank: int, world_size: int, where: str, timeout_s
             and a rank leaves only once its peers have read the outcome (or at most
             ``rendezvous.LEAVE_WAIT_S``), so that a store living in it (``TCPStore`` on
             rank 0) outlasts their reads.
-        RuntimeError: a rank of the node exited, a rank of the group gave up setting it
-            up (``rendezvous.publish_failure``: a rank of another node that could not
+        RuntimeError: a rank of the node exited (or, on a leader, a rank of another node
+            on this machine whose request was still missing), a rank of the group gave up
+            setting it up (``rendezvous.publish_failure``: a rank of another node that could not
             attach, say), or ``timeout_s`` passed, while this waited; or a calibration's
             collective failed.
     """
     base, node, local_rank, local_size = layout.base, layout.node, layout.local_rank, layout.local_size
     deadline = time.monotonic() + timeout_s
-    # the node's ranks: their process ids are this rank's to watch (other nodes' are not)
-    pids = {r: int(layout.peers[r].get("pid", 0)) for r in layout.nodes[node] if r != rank}
-    watch = lambda: {r: pid for r, pid in pids.items() if pid > 0}  # noqa: E731
+    # the node's ranks: their process ids are this rank's to watch
+    mates = rendezvous.watchable(layout, rank, layout.nodes[node])
     try:
         mine = _request()  # a malformed FLAGOS_SHM_CMA_MIN_BYTES raises here
         parse(json.loads(mine)["plan"])  # and a malformed FLAGOS_SHM_PLAN here
@@ -444,11 +444,15 @@ def setup(comm, store, layout, rank: int, world_size: int, where: str, timeout_s
     store.set(f"{base}/plan/request/{rank}", mine)
     outcome_key = f"{base}/plan/outcome/{node}"
     if local_rank == 0:  # each node's leader: every leader reads every request, so all agree
-        rendezvous.wait_keys(store, [f"{base}/plan/request/{r}" for r in range(world_size)], deadline,
-                             "waiting for every rank's plan request", watch, base)
+        # and, while their requests are missing, the other nodes' ranks on this machine (a
+        # rank alone on its node has no node mate to notice that it exited)
+        watched = rendezvous.watchable(layout, rank, range(world_size))
+        requests = [f"{base}/plan/request/{r}" for r in range(world_size)]
+        rendezvous.wait_keys(store, requests, deadline, "waiting for every rank's plan request",
+                             lambda: {r: pid for r, pid in watched.items() if not store.check([requests[r]])}, base)
         store.set(outcome_key, _resolve(comm, store, base, world_size, local_size))
     else:
-        rendezvous.wait_keys(store, [outcome_key], deadline, "waiting for the node's plan", watch, base)
+        rendezvous.wait_keys(store, [outcome_key], deadline, "waiting for the node's plan", lambda: mates, base)
     outcome = json.loads(store.get(outcome_key))
     if "error" in outcome:
         rendezvous.leave_together(store, base, rank, world_size, time.monotonic() + rendezvous.LEAVE_WAIT_S)

@@ -182,6 +182,17 @@ def publish_failure(store: dist.Store, base: str, rank: int, exc: BaseException)
         pass
 
 
+def watchable(layout: "Layout", rank: int, ranks) -> dict:
+    """The process ids (group rank -> pid) of those of ``ranks`` (other than ``rank``)
+    whose processes this rank can watch: those in its PID namespace on its kernel (the
+    ranks of its node, and those of other nodes that run on the same machine, such as
+    nodes simulated with ``FLAGOS_SHM_NODE_ID``). Ranks of other machines are left out:
+    their process ids mean nothing here."""
+    mine = _pid_space(layout.peers[rank])
+    return {r: int(layout.peers[r].get("pid", 0)) for r in ranks
+            if r != rank and int(layout.peers[r].get("pid", 0)) > 0 and _pid_space(layout.peers[r]) == mine}
+
+
 def _pid_key(base: str, rank: int) -> str:
     """The store key under which ``rank`` of incarnation ``base`` publishes its process id."""
     return f"{base}/pid/{rank}"

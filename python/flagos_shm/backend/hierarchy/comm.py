@@ -6,6 +6,7 @@ the collectives and the per-call protocol are mixed in (:mod:`.algorithms`, :mod
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -68,6 +69,9 @@ class HierarchicalComm(Algorithms, Protocol):
             rendezvous.publish_failure(store, layout.base, rank, exc)
             self.local.abort()
             self.local.close()
+            if isinstance(exc, Exception):  # a store living in this rank outlasts the peers' reads of why
+                rendezvous.leave_together(store, layout.base, rank, world_size,
+                                          time.monotonic() + rendezvous.LEAVE_WAIT_S)
             if isinstance(exc, RuntimeError):
                 raise options.with_context(exc, f"{where}: setting up: {exc}") from exc
             raise

@@ -44,13 +44,17 @@ def connect_leaders(store: dist.Store, layout, timeout_s: float) -> ProcessGroup
     for a leader that gave up until the store's timeout), then make the leaders' group.
 
     Raises:
-        RuntimeError: a node did not attach within ``timeout_s`` seconds, or Gloo failed.
+        RuntimeError: a node did not attach within ``timeout_s`` seconds (or its leader, on
+            this machine, exited), or Gloo failed.
     """
     base = layout.base
     store.set(f"{base}/leader-ready/{layout.node}", "1")
+    # the other leaders on this machine (one alone on its node has no node mate to notice
+    # that it exited)
+    watched = rendezvous.watchable(layout, layout.nodes[layout.node][0], [m[0] for m in layout.nodes])
     rendezvous.wait_keys(store, [f"{base}/leader-ready/{k}" for k in range(len(layout.nodes))],
                          time.monotonic() + timeout_s, "waiting for every node to attach",
-                         dict, base)
+                         lambda: watched, base)
     return ProcessGroupGloo(dist.PrefixStore(f"{base}/gloo-leaders", store), layout.node,
                             len(layout.nodes), timedelta(seconds=timeout_s))
 
