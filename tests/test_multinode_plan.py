@@ -157,3 +157,28 @@ def test_a_rank_alone_on_its_node_dying_in_the_plan_phase_fails_every_rank_at_on
     for rank, res in enumerate(results[:2]):
         assert res["error"] and res["error"].startswith("RuntimeError"), (rank, res)
         assert res["s"] < GROUP_TIMEOUT_S / 3, (rank, res)
+
+
+def calibration_death_rank(rank: int, world_size: int, tmp: str, victim: int) -> dict:
+    """``victim`` exits as its node starts to calibrate (``FLAGOS_SHM_PLAN=calibrate``); the
+    others set the group up (see :func:`init_rank`)."""
+    if rank == victim:
+        def die(*args, **kwargs):
+            os._exit(3)
+        plan.calibrate = die
+    return init_rank(rank, world_size, tmp)
+
+
+def test_a_calibration_failing_names_the_group_ranks_of_the_node():
+    """Layout abab: node 0 is group ranks [0, 2], node 1 is [1, 3]. Group rank 3 (node 1's
+    local rank 1) exits instead of calibrating: its node mate's error, from the core's
+    collective, names the node and how its local ranks map to group ranks, as the errors of
+    a multi-node group's collectives do (before: only "rank 1 exited", a live rank's group
+    number)."""
+    results = spawn(calibration_death_rank, 4, env={**GLOO_ENV, "FLAGOS_SHM_PLAN": "calibrate"}, args=(3,),
+                    timeout=SPAWN_DEADLINE_S, rank_env=_nodes("abab"), may_die=(3,))
+    res = results[1]
+    assert res["error"] and res["error"].startswith("RuntimeError"), res
+    assert "node 1, whose ranks 0..1 are group ranks [1, 3]" in res["error"], res
+    for rank in (0, 1, 2):
+        assert results[rank]["error"] and results[rank]["s"] < GROUP_TIMEOUT_S / 3, (rank, results[rank])

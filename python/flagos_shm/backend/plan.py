@@ -430,7 +430,8 @@ def setup(comm, store, layout, rank: int, world_size: int, where: str, timeout_s
             on this machine whose request was still missing), a rank of the group gave up
             setting it up (``rendezvous.publish_failure``: a rank of another node that could not
             attach, say), or ``timeout_s`` passed, while this waited; or a calibration's
-            collective failed.
+            collective failed (on a group that spans nodes, naming the group ranks of the
+            node's ranks, which the core numbers 0, 1, ...).
     """
     base, node, local_rank, local_size = layout.base, layout.node, layout.local_rank, layout.local_size
     deadline = time.monotonic() + timeout_s
@@ -460,7 +461,15 @@ def setup(comm, store, layout, rank: int, world_size: int, where: str, timeout_s
     key, source = outcome.get("key"), outcome["source"]
     if source == "calibrate":
         t0 = time.perf_counter()
-        runs = outcome.get("runs", []) + [{"epoch": round(time.time(), 1), "measured_us": calibrate(comm)}]
+        try:
+            measured = calibrate(comm)
+        except RuntimeError as exc:
+            if layout.single_node:
+                raise
+            # the core numbers the node's ranks 0, 1, ...: name the group ranks they are
+            raise type(exc)(f"{exc} (in node {node}, whose ranks 0..{local_size - 1} are group ranks "
+                            f"{layout.nodes[node]})") from exc
+        runs = outcome.get("runs", []) + [{"epoch": round(time.time(), 1), "measured_us": measured}]
         plan, source = decide(merge([r["measured_us"] for r in runs])), "calibrated"
         if local_rank == 0:
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
