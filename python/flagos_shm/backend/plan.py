@@ -42,6 +42,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import re
@@ -49,7 +50,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
-from . import config, rendezvous
+from . import config, options, rendezvous
 
 _log = logging.getLogger("flagos_shm")
 
@@ -467,9 +468,9 @@ def setup(comm, store, layout, rank: int, world_size: int, where: str, timeout_s
             if layout.single_node:
                 raise
             # the core numbers the node's ranks 0, 1, ...: name the group ranks they are
-            raise type(exc)(f"{exc} (in node {node}, whose ranks 0..{local_size - 1} are group ranks "
-                            f"{layout.nodes[node]})") from exc
-        runs = outcome.get("runs", []) + [{"epoch": round(time.time(), 1), "measured_us": measured}]
+            raise options.with_context(exc, f"{exc} (in node {node}, whose ranks 0..{local_size - 1} are group "
+                                            f"ranks {layout.nodes[node]})") from exc
+        runs = outcome.get("runs", []) + [{"epoch": math.floor(time.time() * 10) / 10, "measured_us": measured}]
         plan, source = decide(merge([r["measured_us"] for r in runs])), "calibrated"
         if local_rank == 0:
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
