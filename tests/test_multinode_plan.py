@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 from spawn import spawn
+from test_plan import init_rank  # init_process_group (env://) and one allreduce: the error and its time
 
 from flagos_shm.backend import plan
 
@@ -93,22 +93,6 @@ def test_a_node_measures_its_own_plan_once_and_reads_it_from_the_cache_after(tmp
     assert len(files) == 1, files
     with open(cache / files[0]) as fh:
         assert "|n=2|" in json.load(fh)["key"]
-
-
-def init_rank(rank: int, world_size: int, tmp: str) -> dict:
-    """``init_process_group`` (env://: the TCPStore lives in rank 0) and one allreduce;
-    the error raised, if any, and how long that took."""
-    t0 = time.monotonic()
-    try:
-        dist.init_process_group("flagos_shm", rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-        t = torch.ones(4)
-        dist.all_reduce(t)
-        dist.destroy_process_group()
-        error = None
-    except Exception as exc:  # noqa: BLE001  reported to the test
-        error = f"{type(exc).__name__}: {exc}"
-    return {"error": error, "s": time.monotonic() - t0}
 
 
 @pytest.mark.parametrize("bad_rank,var,value,says", [
