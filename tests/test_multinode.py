@@ -591,9 +591,20 @@ def test_device_tensors_on_two_nodes():
 # ==== a rank that dies while a multi-node group is set up ==========================================
 
 
-def setup_death_rank(rank: int, world_size: int, tmp: str, victim: int) -> dict:
+def setup_death_rank(rank: int, world_size: int, tmp: str, victim: int, slow_reader: bool = False) -> dict:
     """``victim`` exits just before attaching to its node's segment; the others try to set
-    the group up and run one allreduce."""
+    the group up and run one allreduce. ``slow_reader``: the others read why a rank gave
+    up (the store's failure key) 1 s late."""
+    if slow_reader and rank != victim:
+        from flagos_shm.backend import rendezvous
+
+        get_all = rendezvous._get_all
+
+        def slow(store, keys):
+            if any(k.endswith("/failed") for k in keys):
+                time.sleep(1.0)
+            return get_all(store, keys)
+        rendezvous._get_all = slow
     if rank == victim:
         from flagos_shm import _core
 
@@ -607,19 +618,23 @@ def setup_death_rank(rank: int, world_size: int, tmp: str, victim: int) -> dict:
         x = torch.ones(4)
         dist.all_reduce(x)
     except Exception as exc:  # noqa: BLE001
-        res["error"] = f"{type(exc).__name__}: {exc}"[:400]
+        res["error"] = f"{type(exc).__name__}: {exc}"[:2000]
     res["elapsed"] = time.monotonic() - t0
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
     return res
 
 
-@pytest.mark.parametrize("victim", [3, 1])
-def test_rank_dying_during_multi_node_set_up_fails_every_rank_at_once(victim):
+@pytest.mark.parametrize("victim,slow_reader", [(3, False), (1, False), (1, True)])
+def test_rank_dying_during_multi_node_set_up_fails_every_rank_at_once(victim, slow_reader):
     """Its node notices through the process id; it publishes the failure in the store, so the
     other node's leader stops waiting for the Gloo connection, and that leader's abort stops
-    its node's ranks (before: the leaders waited the whole timeout in Gloo's connect)."""
-    results = spawn(setup_death_rank, 4, env=GLOO_ENV, args=(victim,), timeout=SPAWN_DEADLINE_S,
+    its node's ranks (before: the leaders waited the whole timeout in Gloo's connect).
+
+    Victim 1 makes rank 0, which holds the store (``TCPStore``), fail to attach; with
+    ``slow_reader`` the other node reads why 1 s late. Rank 0 used to leave at once and take
+    the store along, and those ranks raised ``DistNetworkError`` instead of the cause."""
+    results = spawn(setup_death_rank, 4, env=GLOO_ENV, args=(victim, slow_reader), timeout=SPAWN_DEADLINE_S,
                     rank_env={r: {"FLAGOS_SHM_NODE_ID": k} for r, k in enumerate("aabb")}, may_die=(victim,))
     for rank, res in enumerate(results):
         if rank == victim:
@@ -627,3 +642,4 @@ def test_rank_dying_during_multi_node_set_up_fails_every_rank_at_once(victim):
         print(f"set-up victim {victim}: rank {rank} raised after {res['elapsed']:.2f} s: {res['error']}")
         assert res["error"] is not None, (rank, res)
         assert res["elapsed"] < 10.0, (rank, res)
+        assert "exited" in res["error"] and "DistNetworkError" not in res["error"], (rank, res)

@@ -55,24 +55,22 @@ class HierarchicalComm(Algorithms, Protocol):
         self.last_reduce_path: Optional[str] = None  # of the last allreduce/reduce/reduce-scatter
         self._all: Optional[ProcessGroupGloo] = None
         self._leaders: Optional[ProcessGroupGloo] = None
+        local = None
         try:
-            self.local = attach(layout, timeout_s, where)
-        except BaseException as exc:  # e.g. a rank of this node exited: the other nodes learn it at once
-            rendezvous.publish_failure(store, layout.base, rank, exc)
-            raise
-        try:
+            local = self.local = attach(layout, timeout_s, where)
             # this node's plan: each node may be another kind of machine (plan.setup)
-            _, self.plan_source = plan.setup(self.local, store, layout, rank, world_size, where, timeout_s)
+            _, self.plan_source = plan.setup(local, store, layout, rank, world_size, where, timeout_s)
             if self.leader:  # once every node has attached
                 self._leaders = groups.connect_leaders(store, layout, timeout_s)
-        except BaseException as exc:
+        except BaseException as exc:  # e.g. a rank of this node exited: the other nodes learn it at once
             rendezvous.publish_failure(store, layout.base, rank, exc)
-            self.local.abort()
-            self.local.close()
+            if local is not None:
+                local.abort()
+                local.close()
             if isinstance(exc, Exception):  # a store living in this rank outlasts the peers' reads of why
                 rendezvous.leave_together(store, layout.base, rank, world_size,
                                           time.monotonic() + rendezvous.LEAVE_WAIT_S)
-            if isinstance(exc, RuntimeError):
+            if local is not None and isinstance(exc, RuntimeError):  # (attach's errors name the group)
                 raise options.with_context(exc, f"{where}: setting up: {exc}") from exc
             raise
         self._worker = _Worker(f"flagos_shm-hierarchy-{rank}")
