@@ -188,9 +188,16 @@ def watchable(layout: "Layout", rank: int, ranks) -> dict:
     ranks of its node, and those of other nodes that run on the same machine, such as
     nodes simulated with ``FLAGOS_SHM_NODE_ID``). Ranks of other machines are left out:
     their process ids mean nothing here."""
-    mine = _pid_space(layout.peers[rank])
-    return {r: int(layout.peers[r].get("pid", 0)) for r in ranks
-            if r != rank and int(layout.peers[r].get("pid", 0)) > 0 and _pid_space(layout.peers[r]) == mine}
+    return _same_pid_space(dict(enumerate(layout.peers)), rank, ranks)
+
+
+def _same_pid_space(peers: dict, rank: int, ranks=None) -> dict:
+    """Of ``peers`` (group rank -> identity, ``rank``'s own among them), the process ids of
+    the ranks other than ``rank`` (and in ``ranks``, unless None) that have one and share
+    ``rank``'s PID namespace on its kernel."""
+    mine = _pid_space(peers[rank])
+    return {r: int(p["pid"]) for r, p in peers.items()
+            if r != rank and (ranks is None or r in ranks) and int(p.get("pid", 0)) > 0 and _pid_space(p) == mine}
 
 
 def _pid_key(base: str, rank: int) -> str:
@@ -231,10 +238,7 @@ class _Watch:
 
     def __call__(self, ranks: Optional[list] = None) -> dict:
         self.read()
-        mine = _pid_space(self.me)
-        return {r: p["pid"] for r, p in self.peers.items()
-                if r != self.rank and (ranks is None or r in ranks) and p.get("pid")
-                and _pid_space(p) == mine}
+        return _same_pid_space(self.peers, self.rank, ranks)
 
 
 class Layout:
