@@ -113,10 +113,14 @@ impl Shared {
     }
 
     fn release(&self) {
+        // The progress thread parks on `queued` while `busy` is set; it must look again when
+        // there is a job for it, and also when `close` is waiting to join it (a close that
+        // came while an inline call held `busy` found it parked: woken only on `changed`, it
+        // would never see `closing`, and the close would wait forever).
         let waiting = {
             let mut st = lock(&self.state);
             st.busy = false;
-            !st.queue.is_empty()
+            !st.queue.is_empty() || st.closing
         };
         self.changed.notify_all();
         if waiting {

@@ -824,3 +824,45 @@ fn progress_close_with_unmatched_queued_jobs_is_prompt() {
     eprintln!("close with 4 unmatched jobs took {took:?}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `close` from another thread while an inline collective holds the group, after the progress
+/// thread has started (and parked): the inline call is cut short, and the close returns
+/// (it used to wait forever: the parked thread was woken only when a job was queued, so it
+/// never saw that the group was closing once the inline call released it).
+#[test]
+fn progress_close_while_an_inline_call_runs_returns() {
+    use flagos_shm::progress::Progress;
+    let dir = tmpdir();
+    let path = segment::create(&dir, 2, SLOT).unwrap();
+    let p = path.clone();
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    // Rank 1 joins one barrier (the async one that starts rank 0's progress thread), then
+    // issues nothing until rank 0 is done.
+    let peer = std::thread::spawn(move || {
+        let mut c = Communicator::attach(&p, 1, 2, Duration::from_secs(60)).unwrap();
+        c.barrier().unwrap();
+        let _ = rx.recv_timeout(Duration::from_secs(60));
+        drop(c);
+    });
+    let prog = Arc::new(Progress::new(Communicator::attach(&path, 0, 2, Duration::from_secs(60)).unwrap()));
+    let ticket = prog.submit(Box::new(|c| c.barrier()), Box::new(|res| res.unwrap()));
+    prog.help_until(ticket);
+    let closer = {
+        let prog = Arc::clone(&prog);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300)); // the inline barrier is waiting by now
+            let t = std::time::Instant::now();
+            prog.close();
+            t.elapsed()
+        })
+    };
+    let inline = prog.run(|c| c.barrier()); // rank 1 never comes: only the close ends it
+    assert!(inline.is_err(), "{inline:?}");
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || done_tx.send(closer.join().unwrap()).unwrap());
+    let took = done_rx.recv_timeout(Duration::from_secs(20)).expect("close did not return within 20 s");
+    assert!(took < Duration::from_secs(5), "close took {took:?}");
+    tx.send(()).unwrap();
+    peer.join().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
