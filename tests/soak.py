@@ -10,7 +10,7 @@ flagos_shm imported). Every *round* it draws 1-4 groups over random subsets of t
 (slot size 4 KiB, 64 KiB or the default, so large messages take many steps) and a
 schedule of 10-40 collectives (allreduce, allgather, broadcast, barrier, reduce_scatter,
 alltoall; 1 to 300 000 float32 elements; inputs are small integers, so every result is
-exact). Each worker builds the groups it belongs to (``flagos_shm.ProcessGroupShm`` on a
+exact). Each worker builds the groups it belongs to (``flagos_shm.backend.adapter.process_group`` on a
 ``PrefixStore`` per group over one ``TCPStore`` that the driver serves, as torchrun does:
 torch's ``FileStore`` is not kill-safe, see docs/failure-behaviour.md), runs the schedule's
 collectives of its groups in schedule order
@@ -341,9 +341,11 @@ class Driver:
         try:
             self.workers = [self.start(s) for s in range(self.args.nproc)]
             self.wait_ready(self.workers)
-            end = started + self.args.seconds
+            # The time counts from when the workers are ready (starting them takes seconds on a
+            # loaded machine); --min-kills rounds with a kill happen whatever the time.
+            end = time.monotonic() + self.args.seconds
             r = 0
-            while time.monotonic() < end:
+            while time.monotonic() < end or self.stats["kills"] < self.args.min_kills:
                 self.run_round(r, allow_kill=True)
                 r += 1
                 if self.args.verbose and r % 20 == 0:
@@ -403,6 +405,8 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=None, help="how long to run, in seconds (overrides --minutes)")
     p.add_argument("--nproc", type=int, default=4, help="number of worker processes (ranks), 1-8 (default 4)")
     p.add_argument("--kill-rate", type=float, default=0.5, help="probability that a round kills a rank (default 0.5)")
+    p.add_argument("--min-kills", type=int, default=0,
+                   help="go on past the time until this many rounds have killed a rank (default 0)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: time-based, printed)")
     p.add_argument("--json", default=None, help="also write the figures to this JSON file")
     p.add_argument("--verbose", action="store_true", help="print progress every 20 rounds")
@@ -413,6 +417,8 @@ def main(argv=None) -> int:
         p.error("--nproc: expected 1..8")
     if not 0.0 <= args.kill_rate <= 1.0:
         p.error("--kill-rate: expected a probability in [0, 1]")
+    if args.min_kills < 0 or (args.min_kills and args.kill_rate == 0):
+        p.error("--min-kills: expected >= 0, and a --kill-rate above 0 for any kill to happen")
     if args.seed is None:
         args.seed = int(time.time()) % 100_000
     print(f"soak: {args.seconds:.0f} s, {args.nproc} workers, kill rate {args.kill_rate}, seed {args.seed}", flush=True)

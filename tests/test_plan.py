@@ -333,8 +333,14 @@ def reinit_rank(rank: int, world_size: int, tmp: str, plans: list) -> list:
         out.append({"plan": part._comm.plan, "source": part._plan_source, "error": error,
                     "correct": bool(torch.all(t == world_size * (world_size + 1) / 2))})
         dist.destroy_process_group()
-    store.set(f"done/{rank}", "1")  # the store lives in rank 0: it leaves last
+    # The store lives in rank 0, so rank 0 leaves last: only once every other rank has said
+    # (its last request to the store) that it is done with the store.
+    store.set(f"done/{rank}", "1")
     store.wait([f"done/{r}" for r in range(world_size)])
+    if rank == 0:
+        store.wait([f"left/{r}" for r in range(1, world_size)])
+    else:
+        store.set(f"left/{rank}", "1")
     return out
 
 
