@@ -10,10 +10,12 @@ Four groups in one process, each ``dist.all_reduce`` of one float32:
 * ``native no-op``: ``benches/noop_backend.cpp``, a C++ ``c10d::Backend`` whose
   ``allreduce`` returns at once (a null work, so ``dist.*`` does not wait): the least any
   backend can cost through ``dist.all_reduce``;
-* ``python no-op``: a Python backend whose ``allreduce`` returns ``None`` (torch >= 2.14: a
-  ``c10d.Backend`` subclass through torch's trampoline; older torch: a ``dist.ProcessGroup``
-  subclass), the floor of flagos_shm's own route (``python -m flagos_shm.bench`` prints it
-  as "no-op backend");
+* ``python no-op``: a Python backend whose ``allreduce`` returns ``None`` through torch's own
+  route for one (torch >= 2.14: a ``c10d.Backend`` subclass through torch's trampoline; older
+  torch: a ``dist.ProcessGroup`` subclass);
+* ``adapter no-op``: flagos_shm's C++ c10d adapter over a Python group whose ``allreduce``
+  returns ``None``: the floor of flagos_shm's own route, on every torch
+  (``python -m flagos_shm.bench`` prints it as "no-op backend");
 * ``flagos_shm`` and ``gloo`` at world size 1 (their own work is then a few checks).
 
 The groups take turns, ``--calls`` calls each per round, so that a change of the machine's
@@ -91,9 +93,15 @@ def _python_noop():
     """A Python backend whose allreduce does nothing (see the module docstring)."""
     from torch._C import _distributed_c10d as c10d
 
-    from flagos_shm import _compat
+    try:  # torch >= 2.14 can construct a Python subclass of c10d.Backend
+        class _Probe(c10d.Backend):
+            def getBackendName(self) -> str:
+                return "probe"
 
-    base = c10d.Backend if _compat.HAS_PY_BACKEND else dist.ProcessGroup
+        _Probe(0, 1)
+        base = c10d.Backend
+    except TypeError:
+        base = dist.ProcessGroup
 
     class PythonNoop(base):
         def getBackendName(self) -> str:
@@ -115,6 +123,9 @@ def main(argv=None) -> None:
 
     import flagos_shm  # noqa: F401  registers flagos_shm
 
+    from flagos_shm.backend import native as adapter
+    from flagos_shm.bench.overhead import NoopGroup
+
     native = _load(build())
     python_noop = _python_noop()
     keep = []  # torch holds the C++ side of a Python backend only
@@ -127,12 +138,17 @@ def main(argv=None) -> None:
                                   lambda o, pg_options=None: native.NoopBackend(o.group_rank, o.group_size),
                                   extended_api=True, devices=["cpu"])
     dist.Backend.register_backend("flagos_shm_bench_python_noop", make_python, extended_api=True, devices=["cpu"])
+    def make_adapter(opts, pg_options=None):
+        return adapter().ShmBackend(NoopGroup(), opts.group_rank, opts.group_size)
+
+    dist.Backend.register_backend("flagos_shm_bench_adapter_noop", make_adapter, extended_api=True, devices=["cpu"])
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("gloo", store=dist.FileStore(os.path.join(tmp, "store"), 1), rank=0, world_size=1)
         try:
             groups = {
                 "native no-op": dist.new_group([0], backend="flagos_shm_bench_native_noop"),
                 "python no-op": dist.new_group([0], backend="flagos_shm_bench_python_noop"),
+                "adapter no-op": dist.new_group([0], backend="flagos_shm_bench_adapter_noop"),
                 "flagos_shm": dist.new_group([0], backend="flagos_shm"),
                 "gloo": dist.group.WORLD,
             }

@@ -35,6 +35,20 @@ from harness import World  # noqa: E402
 SEGMENT_GLOB = "flagos_shm-*"  # _core.SEGMENT_PREFIX
 
 
+def pytest_sessionstart(session):
+    """Build flagos_shm's c10d adapter for this torch before any rank starts (about 30 s the
+    first time on 2 cores, then cached): a rank of a test would otherwise spend that inside
+    the test's own time limit."""
+    try:
+        from flagos_shm.backend import native
+    except ImportError:  # the package is not installed: the tests report that themselves
+        return
+    started = time.monotonic()
+    native()
+    if time.monotonic() - started > 1:
+        print(f"\nflagos_shm: built the c10d adapter in {time.monotonic() - started:.0f} s", flush=True)
+
+
 def pytest_addoption(parser):
     parser.addoption("--backend", default=os.environ.get("FLAGOS_SHM_TEST_BACKEND", "flagos_shm"),
                      help="process-group backend under test (default flagos_shm; gloo to cross-check)")

@@ -2,9 +2,10 @@
 
 They run inside rank processes (a ``harness.World`` pool, or the soak's workers):
 
-* :func:`shm_group` builds a :class:`flagos_shm.ProcessGroupShm` directly on a
-  ``FileStore``, so that its members may include processes outside the pool's default
-  group (a forked *victim* that a test kills or stops) and it may be any subset of ranks;
+* :func:`shm_group` builds a flagos_shm process group directly on a ``FileStore``
+  (:func:`flagos_shm.backend.adapter.process_group`), so that its members may include
+  processes outside the pool's default group (a forked *victim* that a test kills or
+  stops) and it may be any subset of ranks;
 * :func:`fork_rank` forks the calling rank: the child shares the parent's imported torch
   and flagos_shm (so it starts in milliseconds instead of the ~2 s of a fresh interpreter),
   runs one function and exits with ``os._exit``, never returning into the pool's loop. It
@@ -61,19 +62,19 @@ def env_override(**values):
 
 def shm_group(store_path, rank: int, size: int, name: str, timeout_s: float,
               slot_bytes: Optional[int] = None, shm_dir: Optional[str] = None):
-    """``ProcessGroupShm`` of ``size`` ranks (this process is group rank ``rank``), meeting
+    """A flagos_shm process group of ``size`` ranks (this process is group rank ``rank``), meeting
     through a ``FileStore`` at ``store_path`` (one fresh path per group; or ``store_path``
     is a ``dist.Store`` to use as it is) whose waits also end after ``timeout_s`` seconds.
     ``slot_bytes`` / ``shm_dir`` override the environment; with
     ``slot_bytes`` single-copy transfers are turned off (``FLAGOS_SHM_CMA=0``), so that large
     messages take many chunk steps through the slots (a peer can die midway)."""
-    from flagos_shm import ProcessGroupShm
+    from flagos_shm.backend.adapter import process_group
 
     store = store_path if isinstance(store_path, dist.Store) else dist.FileStore(store_path, size)
     store.set_timeout(timedelta(seconds=timeout_s))
     with env_override(FLAGOS_SHM_SLOT_BYTES=slot_bytes, FLAGOS_SHM_DIR=shm_dir,
                       FLAGOS_SHM_CMA="0" if slot_bytes else None):
-        return ProcessGroupShm(store, rank, size, timeout=timedelta(seconds=timeout_s), group_name=name)
+        return process_group(store, rank, size, timeout=timedelta(seconds=timeout_s), group_name=name)
 
 
 # ---- forked ranks ----------------------------------------------------------------------------
@@ -172,38 +173,53 @@ def rank_input(numel: int, seed: int, rank: int) -> torch.Tensor:
     return torch.randint(-100, 100, (numel,), generator=g, dtype=torch.int32).to(torch.float32)
 
 
+def _sync(opts_type, **fields):
+    """Options of ``opts_type`` for a synchronous call, as ``dist.*`` issues one with
+    ``async_op=False`` (``asyncOp`` False: the call runs on the calling thread)."""
+    opts = opts_type()
+    for name, value in fields.items():
+        setattr(opts, name, value)
+    opts.asyncOp = False
+    return opts
+
+
+def _done(work) -> None:
+    """What ``dist.*`` does with a synchronous call's result: wait unless it is None (the
+    backend finished at C++ level)."""
+    if work is not None:
+        work.wait()
+
+
 def prepare(pg, kind: str, numel: int, seed: int, root: int = 0):
     """Inputs of ``kind`` on ``pg`` (group rank ``pg.rank()``): float32 tensors of
     ``numel`` elements per rank from :func:`rank_input`. Returns ``(call, output,
-    expected)``: ``call()`` runs the collective through the c10d ProcessGroup API
-    (``pg.<method>(...).wait()``) and leaves the result in ``output``; ``output`` and
-    ``expected`` are None for barrier."""
+    expected)``: ``call()`` runs the collective synchronously through the c10d ProcessGroup
+    API, as ``dist.*`` does (``pg.<method>(..., opts)`` with ``asyncOp`` False), and leaves
+    the result in ``output``; ``output`` and ``expected`` are None for barrier."""
     rank, n = pg.rank(), pg.size()
     if kind == "barrier":
-        return (lambda: pg.barrier().wait()), None, None
+        return (lambda: _done(pg.barrier(_sync(c10d.BarrierOptions)))), None, None
     if kind in ("reduce_scatter", "alltoall"):
         big = [rank_input(n * numel, seed, r) for r in range(n)]
         src = big[rank].clone()
         if kind == "reduce_scatter":
             out = torch.full((numel,), -1.0)
-            return ((lambda: pg._reduce_scatter_base(out, src).wait()), out,
+            return ((lambda: _done(pg._reduce_scatter_base(out, src, _sync(c10d.ReduceScatterOptions)))), out,
                     torch.stack(big).sum(0)[rank * numel:(rank + 1) * numel])
         out = torch.full((n * numel,), -1.0)
-        return ((lambda: pg.alltoall_base(out, src, [], [], c10d.AllToAllOptions()).wait()), out,
+        return ((lambda: _done(pg.alltoall_base(out, src, [], [], _sync(c10d.AllToAllOptions)))), out,
                 torch.cat([big[q][rank * numel:(rank + 1) * numel] for q in range(n)]))
     inputs = [rank_input(numel, seed, r) for r in range(n)]
     if kind == "allreduce":
         t = inputs[rank].clone()
-        return (lambda: pg.allreduce([t]).wait()), t, torch.stack(inputs).sum(0)
+        return (lambda: _done(pg.allreduce([t], _sync(c10d.AllreduceOptions)))), t, torch.stack(inputs).sum(0)
     if kind == "allgather":
         out = torch.full((n * numel,), -1.0)
         src = inputs[rank].clone()
-        return (lambda: pg._allgather_base(out, src).wait()), out, torch.cat(inputs)
+        return (lambda: _done(pg._allgather_base(out, src, _sync(c10d.AllgatherOptions)))), out, torch.cat(inputs)
     if kind == "broadcast":
         t = inputs[rank].clone()
-        opts = c10d.BroadcastOptions()
-        opts.rootRank = root
-        return (lambda: pg.broadcast([t], opts).wait()), t, inputs[root]
+        return (lambda: _done(pg.broadcast([t], _sync(c10d.BroadcastOptions, rootRank=root)))), t, inputs[root]
     raise ValueError(f"kind: unknown collective {kind!r}")
 
 

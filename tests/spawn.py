@@ -25,6 +25,21 @@ import torch
 SPAWN_TIMEOUT_S = 90.0
 
 
+def cache_dir_with_builds(path) -> str:
+    """Make ``path`` a ``FLAGOS_SHM_CACHE_DIR`` for fresh ranks that already holds this
+    session's compiled pieces (links to the c10d adapter's and the emulator's build
+    directories), so that a test that gives its ranks a cache of their own (for measured
+    plans) does not make each of them compile those again (about 30 s)."""
+    from flagos_shm import _cxx
+
+    os.makedirs(path, exist_ok=True)
+    for name in ("flagos_shm_c10d", "flagos_shm_emulation"):
+        source = os.path.join(_cxx.cache_root(), name)
+        if os.path.isdir(source) and not os.path.exists(os.path.join(path, name)):
+            os.symlink(source, os.path.join(path, name))
+    return str(path)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

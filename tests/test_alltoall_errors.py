@@ -1,6 +1,5 @@
 """all_to_all_single / all_to_all size errors name the user's arguments, on every rank, on
-one node and across simulated nodes (``FLAGOS_SHM_NODE_ID``), on both c10d routes
-(``FLAGOS_SHM_ROUTE``: the per-device Backend of torch >= 2.14 and the ProcessGroup one)."""
+one node and across simulated nodes (``FLAGOS_SHM_NODE_ID``)."""
 
 from __future__ import annotations
 
@@ -42,11 +41,10 @@ def mismatches(rank: int, n: int, tmp: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("route", ["auto", "process_group"])
 @pytest.mark.parametrize("nodes", [1, 2])
-def test_alltoall_size_errors_name_the_arguments(route, nodes):
+def test_alltoall_size_errors_name_the_arguments(nodes):
     rank_env = {r: {"FLAGOS_SHM_NODE_ID": str(r)} for r in range(2)} if nodes == 2 else None
-    results = spawn(mismatches, 2, env={"GLOO_SOCKET_IFNAME": "lo", "FLAGOS_SHM_ROUTE": route}, rank_env=rank_env,
+    results = spawn(mismatches, 2, env={"GLOO_SOCKET_IFNAME": "lo"}, rank_env=rank_env,
                     timeout=90)
     for rank, res in enumerate(results):
         assert res["after"] == [0.0, 1.0], (rank, res)

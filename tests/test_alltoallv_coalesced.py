@@ -1,7 +1,6 @@
 """Uneven all-to-all and coalesced batches as single core collectives (issue 12, items 4, 5).
 
-Checked on CPU and on the emulated flagos device, on both integration routes
-(``FLAGOS_SHM_ROUTE=process_group`` too): values against per-element formulas, uneven
+Checked on CPU and on the emulated flagos device: values against per-element formulas, uneven
 sizes with zeros, ``async_op=True`` with several calls in flight, mismatches raised on every
 rank (naming the pair or the tensor) with the group usable afterwards, mixed sizes and
 dtypes in one batch, and that a batch or an uneven exchange is one collective of the core
@@ -188,9 +187,7 @@ def rank_coalesced_mismatch(device: str) -> dict:
 
 CONFIGS = {  # name: (world size, device, environment)
     "cpu": (3, "cpu", {}),
-    "cpu-process_group": (3, "cpu", {"FLAGOS_SHM_ROUTE": "process_group"}),
     "flagos": (2, "flagos", EMU_ENV),
-    "flagos-process_group": (2, "flagos", {**EMU_ENV, "FLAGOS_SHM_ROUTE": "process_group"}),
 }
 
 

@@ -21,7 +21,7 @@ import tempfile
 
 import pytest
 
-from flagos_shm import _compat, bench
+from flagos_shm import bench
 from flagos_shm.bench.common import DTYPES, busbw_factor, case_numel, iterations, summarize
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -190,7 +190,7 @@ def test_json_schema_and_values(run):
     assert copy_sizes == {k[3] for k in want}
     assert all(c["time_us_median"] > 0 and c["GBps"] > 0 for c in doc["copy_baseline"])
     calls = doc["overhead"]["calls"]
-    noop = ["dist.all_reduce, no-op backend"] if _compat.HAS_PY_BACKEND else []
+    noop = ["dist.all_reduce, no-op backend"]
     assert [c["call"] for c in calls] == ["dist.all_reduce", "flagos_shm .allreduce()", "Communicator.allreduce",
                                           "dist.all_reduce(async_op=True).wait()", *noop]
     assert all(c["time_us_median"] > 0 for c in calls)

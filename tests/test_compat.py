@@ -26,9 +26,13 @@ def test_torch_version_and_floor():
     assert _compat.TORCH_VERSION >= _compat.MIN_TORCH_VERSION
 
 
-def test_has_py_backend_matches_the_trampoline_release():
-    # Probed by feature; the PyBackend trampoline shipped in torch 2.14.0.
-    assert _compat.HAS_PY_BACKEND is (_compat.TORCH_VERSION >= (2, 14, 0))
+def test_old_split_group_and_monitored_barrier_are_told_apart_on_the_tested_torches():
+    # Decided from the installed functions' code; on the two torches CI runs they must agree
+    # with the releases: 2.10 has both old behaviours, 2.15 neither.
+    if _compat.TORCH_VERSION[:2] == (2, 10):
+        assert _compat.SPLIT_GROUP_ON_CUDA and _compat.MONITORED_BARRIER_GLOO
+    if _compat.TORCH_VERSION[:2] >= (2, 15):
+        assert not _compat.SPLIT_GROUP_ON_CUDA and not _compat.MONITORED_BARRIER_GLOO
 
 
 @pytest.mark.parametrize("factor", [0.5, 3.0, torch.tensor([2.5])], ids=["0.5", "3.0", "tensor"])

@@ -39,12 +39,9 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(autouse=True)
 def _per_device_route(backend):
-    import flagos_shm
 
     if backend != "flagos_shm":
         pytest.skip("composition tests run flagos_shm beside gloo themselves")
-    if not flagos_shm.uses_backend_route():
-        pytest.skip("the per-device c10d.Backend route needs torch >= 2.14")
     from flagos_shm import emulation
 
     emulation.build()

@@ -40,19 +40,11 @@ SUBSET = [
     "test_accumulate_gradients_no_sync",
 ]
 
-#: Not on the ProcessGroupShm route (FLAGOS_SHM_ROUTE=process_group): torch 2.15 asks the group
-#: for a per-device backend, which a Python ProcessGroup has none of (docs/conformance.md).
-NOT_ON_PROCESS_GROUP_ROUTE = {"test_batch_isend_irecv_gloo", "test_monitored_barrier_gloo"}
-
 pytestmark = pytest.mark.timeout(TOTAL_S + 30)
 
 
 def _selection() -> list:
-    import flagos_shm
-
-    if flagos_shm.uses_backend_route():
-        return SUBSET
-    return [name for name in SUBSET if name not in NOT_ON_PROCESS_GROUP_ROUTE]
+    return SUBSET
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +67,6 @@ def subset_results(tmp_path_factory, backend):
 @pytest.mark.parametrize("name", SUBSET)
 def test_suite_subset(subset_results, name):
     proc, results = subset_results
-    if name not in _selection():
-        pytest.skip("torch refuses it on the ProcessGroupShm route (docs/conformance.md)")
     assert name in results, f"{name} did not run:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     rec = results[name]
     assert rec["outcome"] == "pass", f"{name}: {rec['outcome']}\n{rec['reason']}"

@@ -60,10 +60,7 @@ def child_detail(rank: int, world_size: int, tmp: str) -> dict:
 
 
 def test_collectives_under_debug_detail():
-    import flagos_shm
 
-    if not flagos_shm.uses_backend_route():
-        pytest.skip("the per-device route needs torch >= 2.14")
     n = 3
     results = spawn(child_detail, n, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     total = float(sum(range(1, n + 1)))

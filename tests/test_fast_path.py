@@ -2,8 +2,7 @@
 ``reduce_scatter_tensor``, ``broadcast`` and ``all_to_all_single`` (``_allreduce_fast``,
 ``_all_gather_single_fast``, ``_reduce_scatter_single_fast``, ``_broadcast_fast``,
 ``_all_to_all_single_fast``): the common case (contiguous CPU tensors, default options)
-skips staging, and every other case still takes the full path with all its checks, on both
-c10d routes."""
+skips staging, and every other case still takes the full path with all its checks."""
 
 from __future__ import annotations
 
@@ -61,11 +60,10 @@ def fast_and_full_paths():
         return out
 
 
-@pytest.mark.parametrize("route", ["auto", "process_group"])
-def test_common_case_skips_staging_and_other_cases_keep_their_checks(worlds, backend, route):
+def test_common_case_skips_staging_and_other_cases_keep_their_checks(worlds, backend):
     if backend != "flagos_shm":
         pytest.skip("flagos_shm's per-call path")
-    for r in worlds(2, FLAGOS_SHM_ROUTE=route).run(fast_and_full_paths):
+    for r in worlds(2).run(fast_and_full_paths):
         assert r["fast"] == (True, 0), r
         assert r["strided"][0] and r["strided"][1] >= 1, r
         assert r["band"] and "BAND" in r["band"], r
@@ -146,12 +144,11 @@ def gather_and_scatter_paths():
         return out
 
 
-@pytest.mark.parametrize("route", ["auto", "process_group"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_gather_and_scatter_common_cases_skip_staging(worlds, backend, route, world_size):
+def test_gather_and_scatter_common_cases_skip_staging(worlds, backend, world_size):
     if backend != "flagos_shm":
         pytest.skip("flagos_shm's per-call path")
-    for r in worlds(world_size, FLAGOS_SHM_ROUTE=route).run(gather_and_scatter_paths):
+    for r in worlds(world_size).run(gather_and_scatter_paths):
         for name in ("ag", "ag_async", "ag_in_place", "rs", "rs_async", "rs_max"):
             assert r[name] == (True, 0), (name, r)
         for name in ("ag_overlap", "rs_overlap"):  # full path: the input is copied (staged again)
@@ -186,11 +183,10 @@ def broadcast_paths():
         return out
 
 
-@pytest.mark.parametrize("route", ["auto", "process_group"])
-def test_broadcast_common_case_skips_staging(worlds, backend, route):
+def test_broadcast_common_case_skips_staging(worlds, backend):
     if backend != "flagos_shm":
         pytest.skip("flagos_shm's per-call path")
-    for r in worlds(3, FLAGOS_SHM_ROUTE=route).run(broadcast_paths):
+    for r in worlds(3).run(broadcast_paths):
         for name in ("root0", "root1", "root2", "async", "half"):
             assert r[name] == (True, 0), (name, r)
         assert r["strided"][0] and r["strided"][1] >= 1, r
@@ -274,14 +270,13 @@ def all_to_all_paths():
         return out
 
 
-@pytest.mark.parametrize("route", ["auto", "process_group"])
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_all_to_all_common_case_skips_staging(worlds, backend, route, world_size):
+def test_all_to_all_common_case_skips_staging(worlds, backend, world_size):
     """all_to_all_single without split sizes on contiguous, aligned CPU tensors of one
     dtype goes straight to the core (nothing staged); in place, strided, misaligned and
     split-size calls keep the full path, with correct results; a call the full path
     refuses is refused on every rank and the group goes on."""
-    results = worlds(world_size, FLAGOS_SHM_ROUTE=route).run(all_to_all_paths)
+    results = worlds(world_size).run(all_to_all_paths)
     for r in results:
         assert all(ok for ok, _ in r.values()), r
         if backend == "flagos_shm":
@@ -316,11 +311,10 @@ def async_off_calls():
     return out
 
 
-@pytest.mark.parametrize("route", ["auto", "process_group"])
-def test_async_op_with_async_off_still_returns_a_work(worlds, backend, route):
+def test_async_op_with_async_off_still_returns_a_work(worlds, backend):
     if backend != "flagos_shm":
         pytest.skip("flagos_shm's FLAGOS_SHM_ASYNC")
-    for r in worlds(2, FLAGOS_SHM_ROUTE=route, FLAGOS_SHM_ASYNC="0").run(async_off_calls):
+    for r in worlds(2, FLAGOS_SHM_ASYNC="0").run(async_off_calls):
         assert r == {"fast": (True, True), "full": (True, True), "ag": (True, True), "ddp": True}, r
 
 
@@ -375,13 +369,12 @@ def misaligned_calls():
     return out
 
 
-@pytest.mark.parametrize("route", ["auto", "process_group"])
-def test_misaligned_tensors_are_staged_not_refused(worlds, backend, route):
+def test_misaligned_tensors_are_staged_not_refused(worlds, backend):
     """A tensor at an address that is not a multiple of its element size (which the core
     refuses) works as with Gloo: the fast paths leave it to the full path, which stages it
     through an aligned buffer; it used to fail with the core's 'in_nbytes: address ... is
     not aligned'."""
-    for r in worlds(3, FLAGOS_SHM_ROUTE=route).run(misaligned_calls):
+    for r in worlds(3).run(misaligned_calls):
         assert all(ok for ok, _ in r.values()), r
         if backend == "flagos_shm":
             assert all(staged >= 1 for _, staged in r.values()), r

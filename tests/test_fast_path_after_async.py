@@ -46,9 +46,8 @@ def fast_after_async_write_back() -> dict:
     return out
 
 
-@pytest.mark.parametrize("route", ["auto", "process_group"])
-def test_a_completed_async_write_back_does_not_keep_calls_off_the_fast_paths(worlds, backend, route):
+def test_a_completed_async_write_back_does_not_keep_calls_off_the_fast_paths(worlds, backend):
     if backend != "flagos_shm":
         pytest.skip("the fast paths are flagos_shm's")
-    for r in worlds(2, FLAGOS_SHM_ROUTE=route).run(fast_after_async_write_back):
+    for r in worlds(2).run(fast_after_async_write_back):
         assert r == {name: (True, 0) for name in r}, r

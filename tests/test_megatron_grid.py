@@ -257,10 +257,8 @@ def shm_worlds(worlds, backend):
     return worlds
 
 
-@pytest.mark.parametrize("route", ["backend", "process_group"])
-def test_megatron_grid_matches_single_process(shm_worlds, route):
-    env = {} if route == "backend" else {"FLAGOS_SHM_ROUTE": "process_group"}
-    world = shm_worlds(4, **env)
+def test_megatron_grid_matches_single_process(shm_worlds):
+    world = shm_worlds(4)
     for tp, dp, pp in GRIDS:
         results = world.run(rank_grid, tp, dp, pp, timeout=CALL_TIMEOUT_S)
         assert sorted(tuple(r["coords"]) for r in results) == sorted(

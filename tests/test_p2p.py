@@ -1,5 +1,5 @@
 """Point-to-point on flagos_shm: send/recv (tags, any source), isend/irecv,
-batch_isend_irecv, on both c10d routes, CPU and emulated flagos tensors, subgroups, and the
+batch_isend_irecv, CPU and emulated flagos tensors, subgroups, and the
 failure cases (size mismatch on both ranks, a dead peer, a timeout, back-pressure).
 
 Expected values are built from the (rank, message) numbers alone, never from what another
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(300)
 
 CALL_TIMEOUT_S = 120.0
 EMU_ENV = {"FLAGOS_SHM_EMULATE": "1", "FLAGOS_SHM_EMULATE_DEVICES": "4"}
-ROUTES = {"backend": {}, "process_group": {"FLAGOS_SHM_ROUTE": "process_group"}}
+ROUTES = {"adapter": {}}  # one c10d adapter on every torch
 
 
 @pytest.fixture(autouse=True)
@@ -121,17 +121,12 @@ def rank_exchange_large_async(mib: int) -> dict:
     for w in sends + recvs:
         w.wait()
     ok = {s: torch.equal(o.cpu(), _message(s, rank, 0, numel, torch.float32)) for s, o in outs.items()}
-    # batch_isend_irecv around the ring. torch >= 2.14 asks the group for its per-device
-    # backend there, which a whole-group ProcessGroupShm (FLAGOS_SHM_ROUTE=process_group)
-    # does not have: the same ops issued one by one instead (docs/p2p.md).
+    # batch_isend_irecv around the ring.
     nxt, prv = (rank + 1) % n, (rank - 1) % n
     x = _message(rank, nxt, 1, 1000, torch.float32).to(dev)
     y = torch.empty(1000, device=dev)
     ops = [dist.P2POp(dist.isend, x, nxt), dist.P2POp(dist.irecv, y, prv)]
-    if os.environ.get("FLAGOS_SHM_ROUTE") == "process_group":
-        works = [op.op(op.tensor, op.peer) for op in ops]
-    else:
-        works = dist.batch_isend_irecv(ops)
+    works = dist.batch_isend_irecv(ops)
     for w in works:
         w.wait()
     ok["ring"] = torch.equal(y.cpu(), _message(prv, rank, 1, 1000, torch.float32))
@@ -142,10 +137,8 @@ def rank_any_source() -> dict:
     """Rank 0 receives two messages from each other rank with recv(src=None) and
     irecv(src=None); contents (which encode the sender) and reported senders match.
 
-    On the per-device route torch wraps the backend's work in a holder that forwards only
-    wait() and get_future(), so without flagos_shm's shim of ``ProcessGroup.recv_anysource``
-    ``_source_rank()`` (which ``dist.recv`` reads) would raise torch's "sourceRank() may
-    only be called ..." (the sender is also read from the content to tell)."""
+    The c10d adapter's work forwards ``_source_rank()`` (which ``dist.recv`` reads) to
+    flagos_shm's receive (the sender is also read from the content to tell)."""
     import torch.distributed as dist
 
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -359,13 +352,11 @@ def test_flagos_tensors(worlds, emulator_built):  # noqa: F811  (the fixture)
 # ==== failures in fresh ranks ============================================================
 
 
-def spawned_peer_dies(rank: int, world_size: int, tmp: str, route: str) -> dict:
+def spawned_peer_dies(rank: int, world_size: int, tmp: str, _unused: str) -> dict:
     """Rank 1 exits while rank 0 waits in recv (and then in send): RuntimeError naming
     group rank 1 well within the group timeout; then a receive nobody answers times out."""
     import datetime
 
-    if route:
-        os.environ["FLAGOS_SHM_ROUTE"] = route
     import torch.distributed as dist
 
     import flagos_shm  # noqa: F401
@@ -416,9 +407,8 @@ def spawned_timeout(rank: int, world_size: int, tmp: str) -> dict:
     return res
 
 
-@pytest.mark.parametrize("route", ["", "process_group"])
-def test_dead_peer_raises_naming_it(route):
-    r0 = spawn(spawned_peer_dies, 2, args=(route,), timeout=90)[0]
+def test_dead_peer_raises_naming_it():
+    r0 = spawn(spawned_peer_dies, 2, args=("",), timeout=90)[0]
     assert "group rank 1" in r0["recv"] and ("exited" in r0["recv"] or "aborted" in r0["recv"]), r0
     assert r0["recv_s"] < 10, r0
     assert "group rank 1" in r0["send"], r0

@@ -20,8 +20,8 @@ import flagos_shm
 
 WORLD_SIZE = 2
 TIMEOUT_S = 120
-# The flagos_shm object behind a group: per-device on torch >= 2.14, the whole group before.
-EXPECTED_TYPE = "ShmBackend" if flagos_shm.uses_backend_route() else "ProcessGroupShm"
+# The c10d backend torch holds for the group's CPU tensors: flagos_shm's C++ adapter, on every torch.
+EXPECTED_TYPE = "ShmBackend"
 
 WORKER = r"""
 import json, sys
@@ -36,7 +36,8 @@ dist.init_process_group("flagos_shm", store=dist.FileStore(store_path, world_siz
                         world_size=world_size, timeout=timedelta(seconds=60))
 group = dist.group.WORLD
 part = flagos_shm.backend.shm_part(group)
-report = {"backend": dist.get_backend(), "type": type(part).__name__, "path": part._comm.path}
+report = {"backend": dist.get_backend(), "type": type(group._get_backend(torch.device("cpu"))).__name__,
+          "path": part._comm.path}
 
 t = torch.arange(6, dtype=torch.float32) * (rank + 1)
 dist.all_reduce(t)
@@ -114,13 +115,13 @@ def test_two_ranks_values_and_cleanup(tmp_path):
 def test_world_size_one_in_process(tmp_path, monkeypatch):
     import torch.distributed as dist
 
-    import flagos_shm
 
     segment_dir = str(tmp_path)
     monkeypatch.setenv("FLAGOS_SHM_DIR", segment_dir)
     dist.init_process_group("flagos_shm", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        assert type(flagos_shm.backend.shm_part(dist.group.WORLD)).__name__ == EXPECTED_TYPE
+        assert type(dist.group.WORLD._get_backend(torch.device("cpu"))).__name__ == EXPECTED_TYPE
+        assert flagos_shm.backend.shm_part(dist.group.WORLD) is not None
         t = torch.arange(4.0).reshape(2, 2).t()  # non-contiguous
         dist.all_reduce(t, op=dist.ReduceOp.AVG)
         assert torch.equal(t, torch.arange(4.0).reshape(2, 2).t())

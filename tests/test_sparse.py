@@ -1,4 +1,4 @@
-"""Sparse (COO) allreduce on flagos_shm, SUM as Gloo does it, on both c10d routes: the
+"""Sparse (COO) allreduce on flagos_shm, SUM as Gloo does it: the
 result equals the dense sum of every rank's tensor (each rank builds all ranks' inputs
 itself to compute it), for uncoalesced inputs with duplicates, hybrid (sparse + dense
 dimensions) tensors, a rank with no entries, several dtypes; bad calls raise on every rank.
@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 pytestmark = pytest.mark.timeout(240)
 CALL_TIMEOUT_S = 120.0
-ROUTES = {"backend": {}, "process_group": {"FLAGOS_SHM_ROUTE": "process_group"}}
+ROUTES = {"adapter": {}}  # one c10d adapter on every torch
 
 
 def _sparse(rank: int, case: str, dtype) -> torch.Tensor:

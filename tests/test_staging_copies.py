@@ -78,9 +78,8 @@ def list_form_calls() -> dict:
     return out
 
 
-@pytest.mark.parametrize("route", ["auto", "process_group"])
-def test_list_forms_copy_on_the_calling_thread(worlds, backend, route):
-    for r in worlds(2, FLAGOS_SHM_ROUTE=route).run(list_form_calls):
+def test_list_forms_copy_on_the_calling_thread(worlds, backend):
+    for r in worlds(2).run(list_form_calls):
         assert all(ok for ok, _ in r.values()), r
         if backend == "flagos_shm":
             assert all(copies == 0 for _, copies in r.values()), r

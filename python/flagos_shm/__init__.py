@@ -18,18 +18,20 @@ backend="flagos_shm")``) gets its own shared-memory segment, created in ``FLAGOS
 from __future__ import annotations
 
 import os as _os
+import warnings as _warnings
 from importlib import metadata as _metadata
 
 import torch.distributed as _dist
 
+from . import _compat
 from . import _core  # noqa: F401  (fail at import time when the extension is missing)
 from . import emulation  # noqa: F401  (flagos_shm.emulation.enable() after import flagos_shm)
-from .backend import BACKEND_NAME, ProcessGroupShm, ShmBackend, create_backend, uses_backend_route
+from .backend import BACKEND_NAME, ShmGroup, create_backend
+from .backend import config as _config
 from .backend import device_map as _device_map
-from .backend import process_group as _process_group
 from .work import ShmWork
 
-__all__ = ["__version__", "BACKEND_NAME", "DEVICES", "ENV_EMULATE", "ProcessGroupShm", "ShmBackend", "ShmWork",
+__all__ = ["__version__", "BACKEND_NAME", "DEVICES", "ENV_EMULATE", "ShmBackend", "ShmGroup", "ShmWork",
            "register"]
 
 try:
@@ -39,14 +41,22 @@ except _metadata.PackageNotFoundError:  # running from a source tree that is not
 
 #: Device types registered for this backend. ``init_process_group()`` with no backend name
 #: on a machine whose accelerator is ``flagos`` (and ``init_device_mesh("flagos", ...)``)
-#: picks flagos_shm; ``backend="flagos_shm"`` serves CPU and flagos tensors in one group
-#: (on torch >= 2.14 also CUDA and the PrivateUse1 device under any name:
-#: :mod:`flagos_shm.backend.device_map`).
+#: picks flagos_shm; ``backend="flagos_shm"`` serves CPU, CUDA (where available) and the
+#: PrivateUse1 device under any name (:mod:`flagos_shm.backend.device_map`).
 DEVICES: list[str] = ["cpu", "flagos"]
 
 #: Environment variable: "1" makes ``import flagos_shm`` enable the emulated flagos device
 #: (:func:`flagos_shm.emulation.enable`) when no real one is registered.
 ENV_EMULATE = "FLAGOS_SHM_EMULATE"
+
+
+def __getattr__(name: str):
+    # ``flagos_shm.ShmBackend``: the C++ c10d backend class, compiled on first use.
+    if name == "ShmBackend":
+        from .backend import native
+
+        return native().ShmBackend
+    raise AttributeError(f"module 'flagos_shm' has no attribute {name!r}")
 
 
 def register() -> None:
@@ -59,14 +69,12 @@ def register() -> None:
     flagos_shm, ``flagos`` maps to flagos_shm (a plugin imported later that remaps it on
     purpose wins). ``cpu`` stays with gloo.
 
-    On torch >= 2.14 (the per-device route, :func:`flagos_shm.backend.uses_backend_route`)
-    it also adjusts torch's ``BackendConfig`` (:mod:`flagos_shm.backend.device_map`):
+    It also adjusts torch's ``BackendConfig`` (:mod:`flagos_shm.backend.device_map`):
     ``backend="gloo"`` groups then serve the PrivateUse1 device through flagos_shm unless
-    ``FLAGOS_SHM_EXTEND_GLOO=0``. On every torch, ``dist.monitored_barrier`` is let through
-    for ``ProcessGroupShm`` groups (:func:`flagos_shm.backend.process_group.install_monitored_barrier`).
-
-    Raises:
-        ValueError: ``FLAGOS_SHM_ROUTE`` is invalid for this torch.
+    ``FLAGOS_SHM_EXTEND_GLOO=0``; and it lets ``dist.split_group`` and
+    ``dist.monitored_barrier`` reach flagos_shm's groups where this torch's versions of them
+    would not (:func:`flagos_shm._compat.install`). The c10d adapter itself is compiled at
+    the first group, not here.
     """
     if BACKEND_NAME.upper() not in _dist.Backend._plugins:
         _dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True,
@@ -74,9 +82,10 @@ def register() -> None:
     for device in DEVICES:
         if device != "cpu":
             _dist.Backend.default_device_backend_map[device] = BACKEND_NAME
-    if uses_backend_route():
-        _device_map.install(BACKEND_NAME)
-    _process_group.install_monitored_barrier()
+    _device_map.install(BACKEND_NAME)
+    _compat.install()
+    for name, why in _config.retired().items():
+        _warnings.warn(f"flagos_shm: {name} is no longer read: {why}", FutureWarning, stacklevel=2)
 
 
 register()

@@ -1,16 +1,19 @@
-"""The ``Work`` object every flagos_shm collective returns."""
+"""The work of every flagos_shm call, as the group's Python side sees it (the c10d adapter
+wraps it in the ``c10d::Work`` torch returns)."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
 __all__ = ["CoalescedWork", "ShmWork"]
+
+_log = logging.getLogger("flagos_shm")
 
 
 class _Completed:
@@ -65,19 +68,23 @@ class _Latch:
 _NO_LOCK = contextlib.nullcontext()
 
 
-class ShmWork(dist.Work):
-    """Handle of one collective.
+class ShmWork:
+    """Handle of one flagos_shm call, as the Python side of the group sees it.
 
-    A synchronous call (``async_op=False``) returns a work that is already complete. An
-    asynchronous one (``async_op=True``, and every collective DDP issues) returns at once
-    while the collective runs on the group's progress thread; the work completes when the
-    results are in the caller's tensors (device tensors: when their host-to-device copy
-    has been enqueued on the stream that was current at the call). A failure of the
-    transfer is stored here and re-raised by :meth:`wait` and carried by the future.
+    torch never sees this object: the c10d adapter (``csrc/c10d_adapter.cpp``) wraps it in
+    a C++ ``c10d::Work`` that :meth:`_on_complete` tells when the call finishes, so that the
+    work ``dist.*`` returns answers ``is_completed()``, ``is_success()``, ``exception()`` and
+    ``get_future()`` from C++, and forwards ``wait()`` (and ``_source_rank()``) here.
+
+    A synchronous call that ran inline is complete when made. An asynchronous one
+    (``async_op=True``, and every collective DDP issues) is returned at once while the call
+    runs on the group's progress thread; it completes when the results are in the caller's
+    tensors (device tensors: when their host-to-device copy has been enqueued on the stream
+    that was current at the call). A failure is stored here and re-raised by :meth:`wait`.
 
     Args:
-        outputs: the caller's output tensors (the future's value).
-        error: the exception the collective failed with, or ``None``.
+        outputs: the caller's output tensors.
+        error: the exception the call failed with, or ``None``.
         pending: ``True`` for a work completed later by :meth:`_complete`.
         abort: called (no arguments) when :meth:`wait` gives up (timeout or Ctrl-C), to
             abort the group so that the running collective stops on every rank.
@@ -86,57 +93,60 @@ class ShmWork(dist.Work):
     """
 
     # Defaults of a completed, successful work, kept on the class: the common, latency-
-    # critical case sets only its outputs (and builds no Event or Lock).
+    # critical case sets only its outputs (and builds no latch or lock).
     _error: Optional[BaseException] = None
     _abort: Optional[Callable[[], None]] = None
     _help: Optional[Callable[[], None]] = None
-    _future: Optional[torch.futures.Future] = None  # made on demand (DDP asks for it)
     _done = _COMPLETED
     _lock = _NO_LOCK
+    #: Functions to call with the error (or None) when the work completes; None once it has.
+    _callbacks: Optional[list] = None
 
     def __init__(self, outputs: list[torch.Tensor], error: Optional[BaseException] = None, *,
                  pending: bool = False, abort: Optional[Callable[[], None]] = None,
                  help: Optional[Callable[[], None]] = None):
-        super().__init__()
         self._outputs = outputs
         if error is not None:
             self._error = error
         if pending:
             self._abort, self._help = abort, help
             self._done, self._lock = _Latch(), threading.Lock()
+            self._callbacks = []
+
+    def _on_complete(self, fn: Callable[[Optional[BaseException]], None]) -> None:
+        """Call ``fn(error)`` (``error`` None on success) once the work has completed: at
+        once if it has, else from :meth:`_complete`, before :meth:`wait` returns."""
+        with self._lock:
+            callbacks = self._callbacks
+            if callbacks is not None:
+                callbacks.append(fn)
+                return
+        fn(self._error)
 
     def _complete(self, error: Optional[BaseException] = None) -> None:
-        """Mark the work finished (with ``error`` if it failed) and complete its future."""
+        """Mark the work finished (with ``error`` if it failed) and tell its callbacks."""
         with self._lock:
-            if self._done.is_set():
+            callbacks = self._callbacks
+            if callbacks is None:  # completed already (or being completed by another thread)
                 return
+            self._callbacks = None
             self._error = error
-            self._done.set()
-            source = self._source
-        if source is not None:
-            source.set_result(None)
-
-    # The future handed out is ``source.then(_outcome)``: completing ``source`` runs
-    # ``_outcome``, which returns the outputs or raises the error, so the error is set on the
-    # C++ future itself. (``Future.set_exception`` keeps the error in the Python wrapper
-    # only: where torch hands the C++ future on, as the per-device route's work holder does,
-    # the exception would arrive as the future's *value*.)
-    _source: Optional[torch.futures.Future] = None
-
-    def _outcome(self, _source: torch.futures.Future) -> list:
-        if self._error is not None:
-            raise self._error
-        return self._outputs
+        for fn in callbacks:
+            try:
+                fn(error)
+            except Exception:  # noqa: BLE001  a callback's failure must not keep the work open
+                _log.exception("flagos_shm: a work completion callback failed")
+        self._done.set()
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        """Block until the collective has finished; return ``True``.
+        """Block until the call has finished; return ``True``.
 
         Args:
-            timeout: give up after this long (``timedelta``); ``None`` waits for the
-                collective, which itself ends within the group's timeout.
+            timeout: give up after this long (``timedelta`` or seconds); ``None`` (or <= 0)
+                waits for the call, which itself ends within the group's timeout.
 
         Raises:
-            the collective's error (``RuntimeError``, ``ValueError``, ...) if it failed;
+            the call's error (``RuntimeError``, ``ValueError``, ...) if it failed;
             RuntimeError: ``timeout`` passed first (the group is then aborted, since its
                 ranks no longer agree on what has completed);
             KeyboardInterrupt: Ctrl-C while waiting (the group is aborted as well).
@@ -164,19 +174,8 @@ class ShmWork(dist.Work):
         if self._abort is not None:
             self._abort()
 
-    def get_future(self) -> torch.futures.Future:
-        """A future completed with the list of output tensors (or the error) when the work finishes."""
-        with self._lock:
-            if self._future is None:
-                self._source = torch.futures.Future()
-                self._future = self._source.then(self._outcome)
-                settle = self._done.is_set()
-            else:
-                settle = False
-            source, future = self._source, self._future
-        if settle:
-            source.set_result(None)
-        return future
+    def _source_rank(self) -> int:
+        raise RuntimeError("flagos_shm: only a receive from any source has a source rank")
 
     def is_completed(self) -> bool:
         return self._done.is_set()
@@ -187,27 +186,38 @@ class ShmWork(dist.Work):
     def exception(self) -> Optional[BaseException]:
         return self._error
 
-    def result(self) -> list[torch.Tensor]:
-        """The list of output tensors; waits, and raises the collective's error if it failed."""
-        self.wait()
-        return self._outputs
 
-    def synchronize(self) -> None:
-        """Block until the collective has finished (host memory holds the results)."""
-        self._done.wait()
-
-
-class CoalescedWork(dist.Work):
+class CoalescedWork:
     """The work of a coalesced batch (``end_coalescing``): finished when every work of the
     batch has finished; :meth:`wait` raises the first error among them.
 
     Args:
-        works: the batch's works, in issue order.
+        works: the batch's works (:class:`ShmWork`), in issue order.
     """
 
     def __init__(self, works: list):
-        super().__init__()
         self._works = list(works)
+
+    def _on_complete(self, fn: Callable[[Optional[BaseException]], None]) -> None:
+        """Call ``fn(first error or None)`` once every work of the batch has completed."""
+        works = self._works
+        if not works:
+            fn(None)
+            return
+        left = [len(works)]
+        errors: list = [None] * len(works)
+        lock = threading.Lock()
+
+        def one(i: int, error) -> None:
+            with lock:
+                errors[i] = error
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
+                fn(next((e for e in errors if e is not None), None))
+
+        for i, work in enumerate(works):
+            work._on_complete(lambda error, i=i: one(i, error))
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         """Wait for every work of the batch (each with ``timeout``); raises the first error."""
@@ -221,18 +231,8 @@ class CoalescedWork(dist.Work):
             raise first
         return True
 
+    def _source_rank(self) -> int:
+        raise RuntimeError("flagos_shm: only a receive from any source has a source rank")
+
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
-
-    def is_success(self) -> bool:
-        return all(w.is_success() for w in self._works)
-
-    def get_future(self) -> torch.futures.Future:
-        """A future completed with the concatenated output lists of the batch's works."""
-        futures = [w.get_future() for w in self._works]
-        return torch.futures.collect_all(futures).then(
-            lambda fut: [t for f in fut.value() for t in f.value()])
-
-    def synchronize(self) -> None:
-        for work in self._works:
-            work.synchronize()

@@ -3,8 +3,7 @@
     python tests/conformance/run.py --backend flagos_shm --world-size 2 --out results.jsonl \
         [--timeout 120] [--match REGEX] [TEST_NAME ...]
 
-The configuration (backend, world size, ``FLAGOS_SHM_ROUTE`` from the caller's
-environment) is fixed per process because the suite reads it when it is imported. Each test
+The configuration (backend, world size) is fixed per process because the suite reads it when it is imported. Each test
 runs in ``--world-size`` spawned ranks, killed after ``--timeout`` seconds. Segments go to a
 private directory under /dev/shm (``FLAGOS_SHM_DIR``); what a killed rank leaves there is
 removed after its test and reported as ``leaked`` in that test's line. Each line:

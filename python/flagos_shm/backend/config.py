@@ -11,13 +11,11 @@ Variables:
     FLAGOS_SHM_SLOT_BYTES: bytes per chunk slot (default 1 MiB, or 256 KiB in a small
         ``/dev/shm``: see :func:`segment_config`).
     FLAGOS_SHM_ASYNC: ``0`` runs ``async_op=True`` collectives inline too.
-    FLAGOS_SHM_ROUTE: ``auto`` (default), ``backend`` or ``process_group``: which c10d
-        integration ``import flagos_shm`` registers (:mod:`flagos_shm.backend`).
     FLAGOS_SHM_FLIGHT_RECORDER: ``1`` lets torch's generic flight-recorder hook (torch >=
         2.15) record flagos_shm's collectives (off by default: it costs several
         microseconds per call; :mod:`flagos_shm.backend.device_map`).
     FLAGOS_SHM_EXTEND_GLOO: ``0`` leaves ``backend="gloo"`` groups exactly as torch makes
-        them; by default (torch >= 2.14) they also serve the PrivateUse1 device through
+        them; by default they also serve the PrivateUse1 device through
         flagos_shm (:mod:`flagos_shm.backend.device_map`).
     FLAGOS_SHM_NODE_ID: the node this rank is on, replacing the detected identity (host
         name, boot id and IPC namespace): ranks with equal values share one segment, ranks
@@ -45,7 +43,6 @@ from .. import _core
 ENV_DIR = "FLAGOS_SHM_DIR"
 ENV_SLOT_BYTES = "FLAGOS_SHM_SLOT_BYTES"
 ENV_ASYNC = "FLAGOS_SHM_ASYNC"
-ENV_ROUTE = "FLAGOS_SHM_ROUTE"
 ENV_EXTEND_GLOO = "FLAGOS_SHM_EXTEND_GLOO"
 ENV_FLIGHT_RECORDER = "FLAGOS_SHM_FLIGHT_RECORDER"
 ENV_NODE_ID = "FLAGOS_SHM_NODE_ID"
@@ -57,7 +54,10 @@ DEFAULT_HIER_RS_MIN_BYTES = 4 << 20
 ENV_PLAN = "FLAGOS_SHM_PLAN"
 ENV_CMA_MIN_BYTES = "FLAGOS_SHM_CMA_MIN_BYTES"
 DEFAULT_DIR = "/dev/shm"
-ROUTES = ("auto", "backend", "process_group")
+#: Settings older versions read and this one does not, with what replaced them.
+RETIRED = {
+    "FLAGOS_SHM_ROUTE": "every torch (2.10 to 2.15) now uses the one per-device c10d adapter",
+}
 
 #: The words that turn a flag off; the core reads FLAGOS_SHM_CMA, FLAGOS_SHM_PROGRESS_BATCH and
 #: FLAGOS_SHM_STREAM with the same ones (``rust/env.rs``).
@@ -77,7 +77,7 @@ def async_enabled() -> bool:
 
 def extend_gloo() -> bool:
     """``FLAGOS_SHM_EXTEND_GLOO`` (default on): whether ``backend="gloo"`` groups also
-    serve the PrivateUse1 device type through flagos_shm (torch >= 2.14 only)."""
+    serve the PrivateUse1 device type through flagos_shm."""
     return _flag(ENV_EXTEND_GLOO, True)
 
 
@@ -128,16 +128,10 @@ def cma_min_bytes() -> str:
     return raw
 
 
-def route() -> str:
-    """``FLAGOS_SHM_ROUTE``: ``"auto"``, ``"backend"`` or ``"process_group"``.
-
-    Raises:
-        ValueError: any other value.
-    """
-    value = os.environ.get(ENV_ROUTE, "").strip().lower() or "auto"
-    if value not in ROUTES:
-        raise ValueError(f"{ENV_ROUTE}={value!r}: expected one of {', '.join(ROUTES)}")
-    return value
+def retired() -> dict:
+    """The retired settings (:data:`RETIRED`) that are set in the environment, with why
+    they are no longer read."""
+    return {name: why for name, why in RETIRED.items() if os.environ.get(name, "").strip()}
 
 
 def segment_config(world_size: int = 1) -> tuple[str, int]:

@@ -1,6 +1,6 @@
-"""Which device types a group's backend string gives flagos_shm (torch >= 2.14).
+"""Which device types a group's backend string gives flagos_shm.
 
-On the per-device route torch registers a backend for each device type of the group's
+torch registers a backend for each device type of the group's
 ``BackendConfig`` map. :func:`install` makes two adjustments to that map, after torch's own
 parsing:
 
@@ -29,8 +29,7 @@ device, in one process group.
   as it does for ``"cpu:gloo,cuda:gloo"``.
 * ``dist.get_backend(group)`` still answers ``"gloo"``; ``dist.get_backend_config(group)``
   and ``group._get_backend(device)`` tell the truth (``cpu:gloo,flagos:flagos_shm``).
-* ``FLAGOS_SHM_EXTEND_GLOO=0`` turns this off; torch < 2.14 never gets it (a Python
-  backend cannot be registered per device there). Logged once at INFO.
+* ``FLAGOS_SHM_EXTEND_GLOO=0`` turns this off. Logged once at INFO.
 """
 
 from __future__ import annotations

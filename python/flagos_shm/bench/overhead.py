@@ -11,9 +11,8 @@ from .timing import _agree, _timed_loop
 
 
 def shm_process_group(group):
-    """The flagos_shm object behind a ``dist.new_group(backend="flagos_shm")`` group (the
-    group itself on the ProcessGroupShm route, its CPU ``ShmBackend`` on torch >= 2.14), or
-    None."""
+    """The :class:`~flagos_shm.backend.group.ShmGroup` behind a
+    ``dist.new_group(backend="flagos_shm")`` group's CPU tensors, or None."""
     from ..backend import shm_part
 
     return shm_part(group, "cpu")
@@ -26,38 +25,39 @@ OVERHEAD_LAYERS = (
     ("dist.all_reduce(async_op=True).wait()",
      "as dist.all_reduce, through the progress queue (wait() runs the queued call itself)"),
 )
-#: The extra row on torch >= 2.14: torch's own share, with a backend that does nothing.
+#: The extra row: torch's own share, with flagos_shm's c10d adapter over a group that does nothing.
 NOOP_LAYER = ("dist.all_reduce, no-op backend",
-              "torch.distributed + c10d dispatch only: a Python c10d.Backend whose allreduce returns at once")
+              "torch.distributed + c10d dispatch + the c10d adapter's call into Python, which returns at once")
 NOOP_BACKEND = "flagos_shm_bench_noop"
 
 
+def _none(*args, **kwargs):
+    return None  # "finished at C++ level": dist.all_reduce does not wait
+
+
+class NoopGroup:
+    """Stands for a :class:`~flagos_shm.backend.group.ShmGroup` whose every call returns at
+    once, moving no data: behind flagos_shm's own C++ adapter, it costs what any Python
+    backend costs through ``dist.*`` (torch's floor for a Python backend, on every torch)."""
+
+    _timeout_s = 1800.0
+
+    def __getattr__(self, name: str):
+        return _none
+
+
 def _noop_group(ranks):
-    """A group of ``ranks`` whose CPU backend is a Python ``c10d.Backend`` that moves no data
-    (registered once per process as :data:`NOOP_BACKEND`), or None before torch 2.14 (no
-    Python Backend route). Collective over the default group, like ``dist.new_group``."""
+    """A group of ``ranks`` whose CPU backend is flagos_shm's C++ adapter over a
+    :class:`NoopGroup` (registered once per process as :data:`NOOP_BACKEND`). Collective over
+    the default group, like ``dist.new_group``."""
     import torch.distributed as dist
-    from torch._C import _distributed_c10d as c10d
 
-    from .. import _compat
-
-    if not _compat.HAS_PY_BACKEND:
-        return None
-
-    class NoopBackend(c10d.Backend):
-        def getBackendName(self) -> str:
-            return NOOP_BACKEND
-
-        @property
-        def options(self):
-            return c10d.Backend.Options(NOOP_BACKEND)
-
-        def allreduce(self, tensors, opts=None):
-            return None  # "synchronised at C++ level": dist.all_reduce does not wait
+    from ..backend import native
 
     if NOOP_BACKEND not in dist.Backend.backend_list:
-        dist.Backend.register_backend(NOOP_BACKEND, lambda o, pg_options=None: NoopBackend(o.group_rank, o.group_size),
-                                      extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(
+            NOOP_BACKEND, lambda o, pg_options=None: native().ShmBackend(NoopGroup(), o.group_rank, o.group_size),
+            extended_api=True, devices=["cpu"])
     return dist.new_group(ranks=list(ranks), backend=NOOP_BACKEND)
 
 
@@ -73,7 +73,7 @@ def measure_overhead(group, ctrl, plan: Plan, rank: int, device) -> dict:
     ``dist.all_reduce``, the process group's own ``allreduce([t], opts).wait()`` and the core
     ``Communicator.allreduce(ptr, 1, "float32", SUM)``, and ``dist.all_reduce(async_op=True)
     .wait()`` (the asynchronous path); with ``--device flagos`` also
-    ``dist.all_reduce`` of a flagos tensor (staging included), and on torch >= 2.14
+    ``dist.all_reduce`` of a flagos tensor (staging included), and
     ``dist.all_reduce`` on a group whose backend does nothing (torch's own share of the
     first row). Each is checked for the right sum first (but the no-op one). Returns a dict
     (the same on every rank)."""
@@ -86,7 +86,7 @@ def measure_overhead(group, ctrl, plan: Plan, rank: int, device) -> dict:
     pg = shm_process_group(group)
     comm = getattr(pg, "_comm", None)
     error = None if comm is not None and hasattr(comm, "allreduce") else \
-        "cannot reach ProcessGroupShm._comm.allreduce from the flagos_shm group"
+        "cannot reach ShmGroup._comm.allreduce from the flagos_shm group"
     error = _agree(error, ctrl, n, "overhead setup")
     if error is not None:
         return {"skipped": error}

@@ -40,12 +40,7 @@ Environment:
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import hashlib
 import os
-import subprocess
-import sys
 import threading
 from typing import Optional
 
@@ -98,83 +93,24 @@ def _resolve_device_count(device_count: Optional[int]) -> int:
     return device_count
 
 
-def _compile_command(output: str, source: str = _SOURCE) -> list[str]:
-    from torch.utils.cpp_extension import include_paths, library_paths
-
-    cmd = os.environ.get("CXX", "c++").split()
-    cmd += ["-shared", "-fPIC", "-std=c++20", "-O1"]
-    # Match torch's libstdc++ ABI (g++'s default on current wheels).
-    cmd.append(f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}")
-    cmd += [f"-I{p}" for p in include_paths()]
-    cmd.append(source)
-    for p in library_paths():
-        cmd += [f"-L{p}", f"-Wl,-rpath,{p}"]
-    cmd += ["-lc10", "-ltorch_cpu", "-o", output]
-    return cmd
-
-
-def _cache_root() -> str:
-    root = os.environ.get("FLAGOS_SHM_CACHE_DIR")
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(xdg, "flagos_shm")
-    return root
-
-
 def build(verbose: bool = False) -> str:
     """Compile the C++ part if no cached build matches; return the .so path.
 
-    Runs the C++ compiler directly on the single source file rather than
-    ``torch.utils.cpp_extension.load``, which requires ninja (not a
-    dependency of flagos_shm). The cache key hashes the source, the compile
-    command (which names the
-    torch include paths and ABI), ``torch.__version__`` and the Python
-    version. Concurrent callers (several ranks) serialise on a file lock; the
-    library is written to a temporary name and renamed into place, so a
-    reader never sees a partial file. Loads nothing.
+    :func:`flagos_shm._cxx.build` does the work: the system C++ compiler run on the one
+    source file, cached per source, compile command, torch build and Python; concurrent
+    callers (several ranks) wait for one build; a killed build never leaves a partial
+    library under the cached name. Loads nothing. ``verbose`` is accepted for compatibility
+    and ignored (the command is in the cache directory's ``build.log``).
 
-    Raises RuntimeError with the compiler's output when compilation fails,
-    and OSError when the cache directory cannot be written.
+    Raises:
+        flagos_shm._cxx.BuildError (a RuntimeError): no compiler, a torch without headers, or
+            the compile failed (with the compiler's output).
+        OSError: the cache directory cannot be written.
     """
-    with open(_SOURCE, "rb") as f:
-        source = f.read()
-    key = hashlib.sha256()
-    key.update(source)
-    key.update("\0".join(_compile_command("OUT", "SRC")).encode())
-    git = getattr(torch.version, "git_version", "")
-    key.update(f"\0{torch.__version__}\0{git}\0{sys.version}".encode())
-    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info[0]}{sys.version_info[1]}"
-    directory = os.path.join(_cache_root(), "emulation", f"{tag}-{key.hexdigest()[:16]}")
-    library = os.path.join(directory, f"{_LIB_NAME}.so")
-    if os.path.exists(library):
-        return library
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, "build.lock"), "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        if os.path.exists(library):  # built by another process meanwhile
-            return library
-        partial = f"{library}.{os.getpid()}.tmp"
-        cmd = _compile_command(partial)
-        if verbose:
-            print(" ".join(cmd), file=sys.stderr)
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
-        except FileNotFoundError as exc:
-            raise RuntimeError(
-                f"flagos emulation: C++ compiler {cmd[0]!r} not found (set CXX): {exc}"
-            ) from None
-        if proc.returncode != 0:
-            try:
-                os.unlink(partial)
-            except OSError as exc:
-                if exc.errno != errno.ENOENT:
-                    raise
-            raise RuntimeError(
-                "flagos emulation: compiling the C++ extension failed "
-                f"(exit {proc.returncode}):\n{' '.join(cmd)}\n{proc.stderr[-8000:]}"
-            )
-        os.replace(partial, library)
-    return library
+    from .. import _cxx
+
+    return _cxx.build(_SOURCE, _LIB_NAME, what="flagos emulation (the emulated device's C++ part)",
+                      python_module=False, headers=("c10/core/CachingDeviceAllocator.h",), optimize="-O1")
 
 
 def _privateuse1_taken_by_others() -> bool:

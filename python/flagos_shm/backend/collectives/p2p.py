@@ -22,9 +22,9 @@ peer. Device tensors are staged through pinned host memory like the collectives'
 (:mod:`flagos_shm.staging`): a send copies a device tensor out when it is issued, a receive
 writes it back on the stream current at the call.
 
-On torch's per-device route ``import flagos_shm`` wraps ``ProcessGroup.send``/``recv``/
-``recv_anysource`` so that ``dist.isend``/``irecv`` get this module's :class:`P2PWork`
-back (see :func:`_install_work_shim`). Memory cost and limits: ``docs/p2p.md``.
+The work ``dist.isend``/``irecv`` return reports completion, and a receive's source rank
+(``_source_rank()``, which ``dist.recv(src=None)`` reads), through the c10d adapter from
+this module's :class:`P2PWork`. Memory cost and limits: ``docs/p2p.md``.
 """
 
 from __future__ import annotations
@@ -36,9 +36,8 @@ import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
-import torch
 
-from ... import _compat, _core, staging
+from ... import _core, staging
 from ...work import ShmWork
 from .. import options
 from ..config import segment_config
@@ -233,48 +232,6 @@ class _Mailbox:
         _live.discard(self)
 
 
-def _install_work_shim() -> None:
-    """On torch's per-device route, let ``dist.isend``/``irecv``/``send``/``recv`` get
-    flagos_shm's own work back, so that ``is_completed()`` and ``_source_rank()`` work.
-
-    There torch wraps a Python backend's work in ``PyWorkHolder``, which forwards only
-    ``wait()`` and ``get_future()``: ``is_completed()`` stays False after ``wait()`` and
-    ``_source_rank()`` (which ``dist.recv(src=None)`` reads) raises, although the backend
-    knows both. ``ProcessGroup.send``/``recv``/``recv_anysource`` (what ``dist.isend`` and
-    ``dist.irecv`` call) are therefore wrapped: when the tensor's device is served by a
-    flagos_shm backend, that backend is called directly and its :class:`P2PWork` returned;
-    every other group and device goes to torch's method unchanged. A ``ProcessGroupShm``
-    overrides these methods itself and is not affected.
-    """
-    from torch._C import _distributed_c10d as c10d
-
-    cls = c10d.ProcessGroup
-
-    def wrap(name: str) -> None:
-        original = getattr(cls, name)
-        if getattr(original, "_flagos_shm_shim", False):
-            return
-
-        def method(self, tensors, *args):
-            backend = None
-            if isinstance(tensors, (list, tuple)) and len(tensors) == 1 and isinstance(tensors[0], torch.Tensor):
-                try:
-                    backend = self._get_backend(tensors[0].device)
-                except (RuntimeError, ValueError):
-                    backend = None
-            if isinstance(backend, PointToPoint):
-                return getattr(backend, name)(tensors, *args)
-            return original(self, tensors, *args)
-
-        method._flagos_shm_shim = True
-        method.__name__ = name
-        method.__doc__ = original.__doc__
-        setattr(cls, name, method)
-
-    for name in ("send", "recv", "recv_anysource"):
-        wrap(name)
-
-
 class PointToPoint(CollectiveBase):
     """send / recv / recv_anysource of a group (see the module docstring)."""
 
@@ -429,6 +386,3 @@ class PointToPoint(CollectiveBase):
             box.close()
         super().shutdown()
 
-
-if _compat.HAS_PY_BACKEND:
-    _install_work_shim()

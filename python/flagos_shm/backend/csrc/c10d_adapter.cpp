@@ -1,0 +1,504 @@
+// flagos_shm's c10d adapter: the one c10d::Backend that every torch (2.10 to 2.15) gets.
+//
+// torch registers a backend per device type only if it is a C++ c10d::Backend (torch 2.10-2.13
+// cannot construct a Python subclass of Backend at all; 2.14 added a trampoline whose works
+// forward wait() and get_future() only). This file is that C++ Backend. It holds the group's
+// Python object (flagos_shm.backend.group.ShmGroup: staging, ordering, the Rust core) and
+// forwards each virtual to the method of the same meaning there, with the GIL taken for the
+// call; the core releases it while it moves data. What the Python side returns becomes:
+//
+//   * None: the call finished (a synchronous call, opts.asyncOp false): a null work, as c10d
+//     allows ("the backend synchronised at C++ level"; dist.* then skips wait());
+//   * a flagos_shm work: a ShmWork below, which the Python work tells when it finishes
+//     (_on_complete), so that isCompleted(), isSuccess(), exception() and getFuture() answer
+//     from C++ and are true on every torch; wait() asks the Python work, which keeps its own
+//     semantics (running a queued call on the waiting thread, aborting the group on a timeout
+//     or Ctrl-C) and raises the collective's own error (ValueError, RuntimeError, ...).
+//
+// Errors raised by the Python side cross C++ as pybind11::error_already_set and reach a
+// Python caller as the original exception.
+//
+// Only the virtuals that torch 2.10 already has are overridden, under their 2.10 names
+// (_allgather_base, _reduce_scatter_base, alltoall_base, allgather_into_tensor_coalesced,
+// reduce_scatter_tensor_coalesced): newer torch forwards its new names (all_gather_single,
+// ...) to these, so one source builds and behaves alike on every supported torch.
+// flagos_shm.backend.adapter builds this file against the installed torch on first use.
+
+#include <pybind11/chrono.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/utils/pybind.h>
+
+#include <array>
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <stdexcept>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace flagos_shm {
+namespace {
+
+constexpr const char* kBackendName = "flagos_shm";
+
+bool python_alive() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsInitialized() && !Py_IsFinalizing();
+#else
+  return Py_IsInitialized() && !_Py_IsFinalizing();
+#endif
+}
+
+// Drops Python references from any thread: with the GIL taken, or not at all once the
+// interpreter is finalising (process exit, where taking the GIL would hang or abort).
+void release(py::object& obj) {
+  if (!obj) {
+    return;
+  }
+  if (!python_alive()) {
+    obj.release();  // the interpreter is going away with everything it holds
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  obj = py::object();
+}
+
+// The error a Python work finished with, kept as the Python exception itself: wherever it is
+// rethrown (wait(), get_future().wait(), exception(), a C++ caller), a Python caller gets that
+// exception back, as often as it asks (the translator registered below restores it); a C++
+// caller (DDP's reducer) sees "<type>: <message>".
+class PythonError : public std::runtime_error {
+ public:
+  explicit PythonError(const py::handle& error)  // GIL held
+      : std::runtime_error(describe(error)),
+        error_(std::make_shared<Held>(py::reinterpret_borrow<py::object>(error))) {}
+
+  void restore() const {  // GIL held (pybind11 runs translators with it)
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error_->obj.ptr())), error_->obj.ptr());
+  }
+
+ private:
+  struct Held {
+    py::object obj;
+    ~Held() {
+      release(obj);
+    }
+  };
+
+  static std::string describe(const py::handle& error) {
+    return py::str(py::type::handle_of(error).attr("__name__")).cast<std::string>() + ": " +
+           py::str(error).cast<std::string>();
+  }
+
+  std::shared_ptr<Held> error_;  // copies of the exception (exception_ptr, throw) share it
+};
+
+// The work of one flagos_shm call (see the file comment).
+class ShmWork : public c10d::Work {
+ public:
+  ShmWork(py::object work, c10d::OpType type, std::vector<at::Tensor> outputs)
+      : Work(-1, type), work_(std::move(work)), outputs_(std::move(outputs)) {}
+
+  ~ShmWork() override {
+    release(work_);
+  }
+
+  // Wraps the Python work `work` and asks it to report its completion. GIL held.
+  static c10::intrusive_ptr<ShmWork> wrap(py::object work, c10d::OpType type, std::vector<at::Tensor> outputs) {
+    auto self = c10::make_intrusive<ShmWork>(work, type, std::move(outputs));
+    // Called once, with the error or None, on whichever thread finishes the work (at once
+    // if it already has), before the Python work's wait() returns. It holds this work:
+    // callers may keep only its future (DDP's reducer does: `allreduce(...)->getFuture()`),
+    // which must still complete. The Python work drops the callback once it has run, which
+    // ends the cycle (this work -> Python work -> callback -> this work).
+    work.attr("_on_complete")(py::cpp_function([self](const py::object& error) { self->complete(error); }));
+    return self;
+  }
+
+  bool wait(std::chrono::milliseconds timeout) override {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (completed_ && !exception_) {
+        return true;
+      }
+    }
+    py::gil_scoped_acquire gil;
+    // Raises the collective's error; a timeout (> 0) that passes aborts the group and raises.
+    work_.attr("wait")(timeout.count() > 0 ? py::cast(timeout) : py::none());
+    return true;
+  }
+
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (!future_) {
+      future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+      if (completed_) {
+        auto future = future_;
+        auto error = exception_;
+        lock.unlock();
+        settle(future, error);
+        return future;
+      }
+    }
+    return future_;
+  }
+
+  std::vector<at::Tensor> result() override {
+    return outputs_;
+  }
+
+  int sourceRank() const override {
+    py::gil_scoped_acquire gil;
+    return work_.attr("_source_rank")().cast<int>();
+  }
+
+ private:
+  void complete(const py::object& error) {  // GIL held
+    std::exception_ptr eptr = error.is_none() ? nullptr : std::make_exception_ptr(PythonError(error));
+    c10::intrusive_ptr<c10::ivalue::Future> future;
+    std::function<void()> end;
+    {
+      // What Work::finish does, plus taking the future in the same critical section, so
+      // that a getFuture() racing with this either sees the work completed or is settled here.
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (completed_) {
+        return;
+      }
+      completed_ = true;
+      exception_ = eptr;
+      future = future_;
+      end = std::move(recordFunctionEndCallback_);
+      recordFunctionEndCallback_ = nullptr;
+    }
+    if (end) {
+      end();  // the profiler's record of the collective ends here
+    }
+    cv_.notify_all();
+    if (future) {
+      settle(future, eptr);
+    }
+  }
+
+  void settle(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::exception_ptr& error) {
+    if (error) {
+      future->setError(error);
+    } else {
+      future->markCompleted(c10::IValue(outputs_));
+    }
+  }
+
+  py::object work_;
+  std::vector<at::Tensor> outputs_;
+  c10::intrusive_ptr<c10::ivalue::Future> future_;  // made on demand (DDP asks for it)
+};
+
+// The Python methods a backend calls, looked up once per backend.
+enum Method : size_t {
+  kAllreduce,
+  kAllreduceSparse,
+  kAllreduceCoalesced,
+  kBroadcast,
+  kReduce,
+  kAllgather,
+  kAllGatherSingle,
+  kAllgatherCoalesced,
+  kAllGatherSingleCoalesced,
+  kGather,
+  kScatter,
+  kReduceScatter,
+  kReduceScatterSingle,
+  kReduceScatterSingleCoalesced,
+  kAllToAllSingle,
+  kAllToAll,
+  kBarrier,
+  kSend,
+  kRecv,
+  kRecvAnysource,
+  kMethodCount,
+};
+
+constexpr std::array<const char*, kMethodCount> kMethodNames = {
+    "allreduce",
+    "allreduce_sparse",
+    "allreduce_coalesced",
+    "broadcast",
+    "reduce",
+    "allgather",
+    "all_gather_single",
+    "allgather_coalesced",
+    "all_gather_single_coalesced",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "reduce_scatter_single",
+    "reduce_scatter_single_coalesced",
+    "all_to_all_single",
+    "alltoall",
+    "barrier",
+    "send",
+    "recv",
+    "recv_anysource",
+};
+
+std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& lists) {
+  std::vector<at::Tensor> out;
+  for (const auto& list : lists) {
+    out.insert(out.end(), list.begin(), list.end());
+  }
+  return out;
+}
+
+// flagos_shm as the c10d backend of some device types of a process group.
+class ShmBackend : public c10d::Backend {
+ public:
+  // `group`: the Python ShmGroup this backend forwards to. GIL held.
+  ShmBackend(py::object group, int rank, int size) : Backend(rank, size), group_(std::move(group)) {
+    for (size_t i = 0; i < kMethodCount; ++i) {
+      methods_[i] = group_.attr(kMethodNames[i]);
+    }
+  }
+
+  ~ShmBackend() override {
+    for (auto& method : methods_) {
+      release(method);
+    }
+    release(group_);
+  }
+
+  py::object group() const {
+    return group_;
+  }
+
+  const std::string getBackendName() const override {
+    return kBackendName;
+  }
+
+  bool supportsSplitting() const override {
+    return true;
+  }
+
+  bool supportsCoalescing() const override {
+    return true;
+  }
+
+  c10::intrusive_ptr<Options> getBackendOptions() override {
+    py::gil_scoped_acquire gil;
+    auto seconds = group_.attr("_timeout_s").cast<double>();
+    return c10::make_intrusive<Options>(
+        kBackendName, std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0)));
+  }
+
+  void setTimeout(std::chrono::milliseconds timeout) override {
+    py::gil_scoped_acquire gil;
+    group_.attr("set_timeout")(timeout);
+  }
+
+  // ---- collectives ------------------------------------------------------------------
+
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
+                                           const c10d::BroadcastOptions& opts) override {
+    return issue(kBroadcast, c10d::OpType::BROADCAST, tensors, tensors, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
+                                           const c10d::AllreduceOptions& opts) override {
+    return issue(kAllreduce, c10d::OpType::ALLREDUCE, tensors, tensors, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_sparse(std::vector<at::Tensor>& tensors,
+                                                  const c10d::AllreduceOptions& opts) override {
+    return issue(kAllreduceSparse, c10d::OpType::ALLREDUCE, tensors, tensors, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allreduce_coalesced(std::vector<at::Tensor>& tensors,
+                                                     const c10d::AllreduceCoalescedOptions& opts) override {
+    return issue(kAllreduceCoalesced, c10d::OpType::ALLREDUCE_COALESCED, tensors, tensors, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
+    return issue(kReduce, c10d::OpType::REDUCE, tensors, tensors, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather(std::vector<std::vector<at::Tensor>>& outputs,
+                                           std::vector<at::Tensor>& inputs,
+                                           const c10d::AllgatherOptions& opts) override {
+    return issue(kAllgather, c10d::OpType::ALLGATHER, flatten(outputs), outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
+                                                 const c10d::AllgatherOptions& opts) override {
+    return issue(kAllGatherSingle, c10d::OpType::_ALLGATHER_BASE, {output}, output, input, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outputs,
+                                                     std::vector<at::Tensor>& inputs,
+                                                     const c10d::AllgatherOptions& opts) override {
+    return issue(kAllgatherCoalesced, c10d::OpType::ALLGATHER_COALESCED, flatten(outputs), outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::AllgatherOptions& opts) override {
+    return issue(kAllGatherSingleCoalesced, c10d::OpType::COALESCED, outputs, outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> gather(std::vector<std::vector<at::Tensor>>& outputs,
+                                        std::vector<at::Tensor>& inputs,
+                                        const c10d::GatherOptions& opts) override {
+    return issue(kGather, c10d::OpType::GATHER, flatten(outputs), outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> scatter(std::vector<at::Tensor>& outputs,
+                                         std::vector<std::vector<at::Tensor>>& inputs,
+                                         const c10d::ScatterOptions& opts) override {
+    return issue(kScatter, c10d::OpType::SCATTER, outputs, outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter(std::vector<at::Tensor>& outputs,
+                                                std::vector<std::vector<at::Tensor>>& inputs,
+                                                const c10d::ReduceScatterOptions& opts) override {
+    return issue(kReduceScatter, c10d::OpType::REDUCE_SCATTER, outputs, outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
+                                                      const c10d::ReduceScatterOptions& opts) override {
+    return issue(kReduceScatterSingle, c10d::OpType::_REDUCE_SCATTER_BASE, {output}, output, input, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outputs,
+                                                                 std::vector<at::Tensor>& inputs,
+                                                                 const c10d::ReduceScatterOptions& opts) override {
+    return issue(kReduceScatterSingleCoalesced, c10d::OpType::COALESCED, outputs, outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall_base(at::Tensor& output, at::Tensor& input,
+                                               std::vector<int64_t>& output_split_sizes,
+                                               std::vector<int64_t>& input_split_sizes,
+                                               const c10d::AllToAllOptions& opts) override {
+    return issue(kAllToAllSingle, c10d::OpType::ALLTOALL_BASE, {output}, output, input, output_split_sizes,
+                 input_split_sizes, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> alltoall(std::vector<at::Tensor>& outputs, std::vector<at::Tensor>& inputs,
+                                          const c10d::AllToAllOptions& opts) override {
+    return issue(kAllToAll, c10d::OpType::ALLTOALL, outputs, outputs, inputs, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override {
+    return issue(kBarrier, c10d::OpType::BARRIER, {}, opts);
+  }
+
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst_rank, int tag) override {
+    return issue(kSend, c10d::OpType::SEND, tensors, tensors, dst_rank, tag);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src_rank, int tag) override {
+    return issue(kRecv, c10d::OpType::RECV, tensors, tensors, src_rank, tag);
+  }
+
+  c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override {
+    return issue(kRecvAnysource, c10d::OpType::RECVANYSOURCE, tensors, tensors, tag);
+  }
+
+  void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
+    py::gil_scoped_acquire gil;
+    group_.attr("monitored_barrier")(opts, wait_all_ranks);
+  }
+
+  // ---- coalescing, sequence numbers, groups made from this one, lifetime -----------------
+
+  void startCoalescing() override {
+    py::gil_scoped_acquire gil;
+    group_.attr("start_coalescing")();
+  }
+
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override {
+    py::gil_scoped_acquire gil;
+    return wrap(group_.attr("end_coalescing")(), c10d::OpType::COALESCED, {});
+  }
+
+  void setSequenceNumberForGroup() override {}  // the core numbers its collectives itself
+
+  uint64_t getSequenceNumberForGroup() override {
+    py::gil_scoped_acquire gil;
+    return group_.attr("_get_sequence_number_for_group")().cast<uint64_t>();
+  }
+
+  c10::intrusive_ptr<c10d::Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
+                                          const std::vector<int>& ranks,
+                                          const c10::intrusive_ptr<Options>& opts) override {
+    py::gil_scoped_acquire gil;
+    py::object child = group_.attr("split")(store, ranks, opts);
+    if (child.is_none()) {
+      return {};  // this rank is not in `ranks`
+    }
+    int rank = child.attr("_rank").cast<int>();
+    int size = child.attr("_world_size").cast<int>();
+    return c10::make_intrusive<ShmBackend>(std::move(child), rank, size);
+  }
+
+  void eagerConnectSingleDevice(at::Device /*device*/) override {}  // attached at creation
+
+  void abort() override {
+    py::gil_scoped_acquire gil;
+    group_.attr("abort")();
+  }
+
+  void shutdown() override {
+    py::gil_scoped_acquire gil;
+    group_.attr("shutdown")();
+  }
+
+ private:
+  // What a collective returns: None -> a null work (finished); a flagos_shm work -> ShmWork.
+  static c10::intrusive_ptr<c10d::Work> wrap(py::object result, c10d::OpType type, std::vector<at::Tensor> outputs) {
+    if (result.is_none()) {
+      return {};
+    }
+    return ShmWork::wrap(std::move(result), type, std::move(outputs));
+  }
+
+  template <typename... Args>
+  c10::intrusive_ptr<c10d::Work> issue(Method method, c10d::OpType type, std::vector<at::Tensor> outputs,
+                                       Args&&... args) {
+    py::gil_scoped_acquire gil;
+    py::object result = methods_[method](std::forward<Args>(args)...);
+    return wrap(std::move(result), type, std::move(outputs));
+  }
+
+  py::object group_;
+  std::array<py::object, kMethodCount> methods_;
+};
+
+}  // namespace
+}  // namespace flagos_shm
+
+PYBIND11_MODULE(flagos_shm_c10d, m) {
+  m.doc() = "flagos_shm's c10d adapter (built against the installed torch by flagos_shm.backend.adapter)";
+  py::module_::import("torch._C._distributed_c10d");  // registers c10d.Backend, Work, the options
+  // A work's error, met by any pybind11 binding (torch's Work.wait, Future.wait, ...), becomes
+  // the Python exception it came from.
+  py::register_exception_translator([](std::exception_ptr error) {
+    try {
+      if (error) {
+        std::rethrow_exception(error);
+      }
+    } catch (const flagos_shm::PythonError& e) {
+      e.restore();
+    }
+  });
+  py::class_<flagos_shm::ShmBackend, c10d::Backend, c10::intrusive_ptr<flagos_shm::ShmBackend>>(m, "ShmBackend")
+      .def(py::init<py::object, int, int>(), py::arg("group"), py::arg("rank"), py::arg("size"))
+      .def_property_readonly("group", &flagos_shm::ShmBackend::group,
+                             "the flagos_shm.backend.group.ShmGroup this backend forwards to")
+      .def("__repr__", [](const flagos_shm::ShmBackend& self) {
+        return "ShmBackend(rank=" + std::to_string(self.getRank()) + ", world_size=" +
+               std::to_string(self.getSize()) + ")";
+      });
+}
