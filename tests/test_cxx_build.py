@@ -1,0 +1,150 @@
+"""Building C++ against the installed torch (flagos_shm._cxx, issue 24 "Bad input and failure"):
+a missing compiler or header, a compile that fails (a torch whose C++ API changed), a compiler
+killed half-way, and several processes building one piece at once each end in a clear error
+or a good cached library, never a corrupt cache.
+
+A stand-in compiler (a shell script given as ``CXX``) writes the output file the command names,
+so these tests take no real compile time; what it is asked to do is logged.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from flagos_shm import _cxx
+
+SOURCE = "int flagos_shm_cxx_build_probe() { return 42; }\n"
+
+
+def _fake_compiler(tmp_path, sleep_s: float = 0.0, fail: bool = False) -> str:
+    """A ``CXX`` that logs each call to ``calls.log``, sleeps, then writes the ``-o`` file
+    (or fails like a compiler meeting an unknown name)."""
+    script = tmp_path / "fake-cxx"
+    script.write_text(textwrap.dedent(f"""\
+        #!/bin/sh
+        echo "$$" >> "{tmp_path}/calls.log"
+        sleep {sleep_s}
+        out=""
+        while [ $# -gt 0 ]; do
+            if [ "$1" = "-o" ]; then out="$2"; fi
+            shift
+        done
+        if [ "{int(fail)}" = "1" ]; then
+            echo "probe.cpp:1:1: error: 'c10d::Backend' has no member named 'newVirtual'" >&2
+            exit 1
+        fi
+        printf 'library' > "$out"
+        """))
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.fixture
+def source(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLAGOS_SHM_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "probe.cpp"
+    path.write_text(SOURCE)
+    return str(path)
+
+
+def _calls(tmp_path) -> int:
+    log = tmp_path / "calls.log"
+    return len(log.read_text().split()) if log.exists() else 0
+
+
+def test_a_build_is_cached_and_reused(tmp_path, monkeypatch, source):
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path))
+    first = _cxx.build(source, "probe", what="the probe", python_module=False)
+    second = _cxx.build(source, "probe", what="the probe", python_module=False)
+    assert first == second and open(first).read() == "library"
+    assert first.startswith(str(tmp_path / "cache" / "probe"))
+    assert _calls(tmp_path) == 1
+
+
+def test_a_changed_source_is_built_again(tmp_path, monkeypatch, source):
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path))
+    first = _cxx.build(source, "probe", what="the probe", python_module=False)
+    with open(source, "a") as f:
+        f.write("// changed\n")
+    second = _cxx.build(source, "probe", what="the probe", python_module=False)
+    assert first != second and _calls(tmp_path) == 2
+
+
+def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch, source):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with pytest.raises(_cxx.BuildError, match="no C\\+\\+ compiler.*no-such-c\\+\\+.*set CXX"):
+        _cxx.build(source, "probe", what="the probe", python_module=False)
+    assert not any(name.endswith(".so") for _, _, files in os.walk(tmp_path / "cache") for name in files)
+
+
+def test_missing_torch_headers_are_named(tmp_path, monkeypatch, source):
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path))
+    monkeypatch.setattr(cpp, "include_paths", lambda *a, **k: [str(tmp_path / "include")])
+    with pytest.raises(_cxx.BuildError, match="torch/csrc/distributed/c10d/Backend.hpp.*without its headers"):
+        _cxx.build(source, "probe", what="the probe", python_module=False,
+                   headers=("torch/csrc/distributed/c10d/Backend.hpp",))
+    assert _calls(tmp_path) == 0
+
+
+def test_a_failed_compile_names_the_torch_and_leaves_nothing(tmp_path, monkeypatch, source):
+    import torch
+
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path, fail=True))
+    with pytest.raises(_cxx.BuildError) as info:
+        _cxx.build(source, "probe", what="the probe", python_module=False)
+    message = str(info.value)
+    assert f"torch {torch.__version__}" in message and "2.10 to 2.15" in message, message
+    assert "has no member named 'newVirtual'" in message, message
+    files = [name for _, _, names in os.walk(tmp_path / "cache") for name in names]
+    assert not [name for name in files if name.endswith(".so") or name.endswith(".tmp")], files
+
+
+BUILDER = """
+import sys
+from flagos_shm import _cxx
+print(_cxx.build(sys.argv[1], "probe", what="the probe", python_module=False), flush=True)
+"""
+
+
+def _builder(source: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", BUILDER, source], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@pytest.mark.timeout(120)
+def test_two_processes_building_at_once_compile_once(tmp_path, monkeypatch, source):
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path, sleep_s=1.0))
+    procs = [_builder(source) for _ in range(2)]
+    outs = [p.communicate(timeout=60) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    paths = {out.strip() for out, _ in outs}
+    assert len(paths) == 1 and open(paths.pop()).read() == "library", outs
+    assert _calls(tmp_path) == 1  # the second waited for the first one's build
+
+
+@pytest.mark.timeout(120)
+def test_a_build_killed_half_way_leaves_no_library_and_the_next_one_builds(tmp_path, monkeypatch, source):
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path, sleep_s=30.0))
+    proc = _builder(source)
+    deadline = time.monotonic() + 30
+    while _calls(tmp_path) == 0:  # the compiler has started
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the builder and the compiler it runs
+    proc.wait(timeout=30)
+    libraries = [name for _, _, names in os.walk(tmp_path / "cache") for name in names if name.endswith(".so")]
+    assert libraries == [], libraries  # nothing under the cached name
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path))
+    path = _cxx.build(source, "probe", what="the probe", python_module=False)
+    assert open(path).read() == "library"
+    leftovers = [name for name in os.listdir(os.path.dirname(path)) if name.endswith(".tmp")]
+    assert leftovers == [], leftovers
