@@ -36,7 +36,10 @@ def fast_and_full_paths():
         staged.clear()
         dist.all_reduce(t)
         out["fast"] = (t.tolist() == [n * (n + 1) / 2] * 5, len(staged))
-        col = torch.arange(12, dtype=torch.float64).reshape(4, 3)[:, 1] * (rank + 1)
+        # a column view (stride 3): the full path stages it, whatever (op, dtype) pairs this
+        # rank has already seen (``* (rank + 1)`` after the slice would make it contiguous)
+        col = (torch.arange(12, dtype=torch.float64).reshape(4, 3) * (rank + 1))[:, 1]
+        assert not col.is_contiguous()
         dist.all_reduce(col, op=dist.ReduceOp.MAX)
         out["strided"] = (col.tolist() == [float(3 * i + 1) * n for i in range(4)], len(staged))
         try:
@@ -51,7 +54,8 @@ def fast_and_full_paths():
         fut = work.get_future()
         work.wait()
         out["async"] = (a.tolist() == [n * (n + 1) / 2] * 7, fut.wait()[0].tolist() == a.tolist(), len(staged))
-        col = torch.arange(12, dtype=torch.float64).reshape(4, 3)[:, 1] * (rank + 1)
+        col = (torch.arange(12, dtype=torch.float64).reshape(4, 3) * (rank + 1))[:, 1]
+        assert not col.is_contiguous()
         dist.all_reduce(col, async_op=True).wait()
         out["async_strided"] = (col.tolist() == [float(3 * i + 1) * n * (n + 1) / 2 for i in range(4)], len(staged))
         i = torch.full((3,), rank + 1, dtype=torch.int32)

@@ -35,7 +35,8 @@ def _poll(work) -> dict:
         if time.monotonic() > deadline:
             return {"completed": False, "polls": polls}
         time.sleep(0.0005)
-    return {"completed": True, "success": work.is_success(), "exception": work.exception() is not None}
+    # (work.exception() is not asked: torch 2.10's binding of it cannot return its value)
+    return {"completed": True, "success": work.is_success()}
 
 
 def rank_polls(device: str) -> dict:
@@ -124,7 +125,7 @@ def test_polling_is_completed_returns_for_every_kind_of_call(device_world):
     results = world.run(rank_polls, device, timeout=CALL_TIMEOUT_S)
     for rank, res in enumerate(results):
         for kind in ("all_reduce", "broadcast", "barrier", "all_gather", "isend", "irecv"):
-            assert res[kind] == {"completed": True, "success": True, "exception": False}, (kind, res)
+            assert res[kind] == {"completed": True, "success": True}, (kind, res)
         total = [float(sum(i + q for q in range(n))) for i in range(3)]
         assert res["all_reduce_value"] == total, res
         assert res["all_reduce_future"] == [total], res  # the future's value: the output tensors
@@ -137,7 +138,7 @@ def test_polling_is_completed_returns_for_every_kind_of_call(device_world):
 def test_an_error_completes_the_work_unsuccessfully_and_fails_its_future(device_world):
     device, world = device_world
     for res in world.run(rank_error_fails_work_and_future, device, timeout=CALL_TIMEOUT_S):
-        assert res["poll"] == {"completed": True, "success": False, "exception": True}, res
+        assert res["poll"] == {"completed": True, "success": False}, res
         assert res["wait"].startswith("ValueError") and "4" in res["wait"] and "5" in res["wait"], res
         assert res["future"] != "no error" and "4" in res["future"], res
         assert res["after"] == [1.0, 1.0], res

@@ -497,6 +497,10 @@ PYBIND11_MODULE(flagos_shm_c10d, m) {
       .def(py::init<py::object, int, int>(), py::arg("group"), py::arg("rank"), py::arg("size"))
       .def_property_readonly("group", &flagos_shm::ShmBackend::group,
                              "the flagos_shm.backend.group.ShmGroup this backend forwards to")
+      // torch >= 2.14 binds this on c10d.Backend; 2.10's split_group reads it too, but 2.10
+      // binds it on its own backends only.
+      .def_property_readonly("options", &flagos_shm::ShmBackend::getBackendOptions,
+                             "Backend.Options naming flagos_shm, with the group's timeout")
       .def("__repr__", [](const flagos_shm::ShmBackend& self) {
         return "ShmBackend(rank=" + std::to_string(self.getRank()) + ", world_size=" +
                std::to_string(self.getSize()) + ")";
