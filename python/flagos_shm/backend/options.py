@@ -131,6 +131,26 @@ def reduce_op(op) -> tuple[int, float]:
 _VALID_OP_DTYPES: set = set()
 
 
+def fast_op_table() -> dict:
+    """What the c10d adapter may send down :meth:`Reduction._allreduce_digested` without the
+    full path: ``{torch dtype: (core dtype name, bit mask of the ops the core's rules allow
+    for it)}``, for the real core dtypes and every op but PREMUL_SUM (bit ``1 << op``, in
+    torch's ``RedOpType`` numbering). Derived from :func:`check_op`, the one statement of
+    the rules; any other call takes the full path, which raises the rule's error."""
+    table = {}
+    for dtype, name in staging.CORE_DTYPES.items():
+        mask = 0
+        for op in range(PREMUL_SUM):
+            probe = staging.HostBuffer(None, torch.empty(0, dtype=dtype), name, write_back=False)
+            try:
+                check_op(op, probe, "probe")
+            except TypeError:
+                continue
+            mask |= 1 << op
+        table[dtype] = (name, mask)
+    return table
+
+
 def check_op(op: int, buf: staging.HostBuffer, arg: str) -> None:
     """The core's dtype/op rules, checked before the call so that peers can be told.
 

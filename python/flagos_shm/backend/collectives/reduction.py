@@ -85,6 +85,19 @@ class Reduction(CollectiveBase):
         return self._fast_call("allreduce", tensors, lambda done: comm.allreduce(
             ptr, numel * es, numel, dtype, op, 1.0, None, done), opts.asyncOp)
 
+    def _allreduce_digested(self, tensors, ptr: int, nbytes: int, numel: int, dtype: str, op: int, async_op: bool):
+        """:meth:`_allreduce_fast` for a call the c10d adapter has already taken apart: it has
+        checked the tensor (``tensors[0]``: CPU, strided, contiguous, no lazy bits, of a core
+        dtype, aligned) and the options (no per-call timeout, an ``op`` that
+        :func:`fast_op_table` allows for ``dtype``) in C++ and passes the numbers: the group's
+        own state is all that is left to check here. Returns what :meth:`allreduce` would,
+        or :data:`~.base.SLOW` (nothing done: the adapter then calls :meth:`allreduce`)."""
+        if (self._pending and self._writing_back()) or self._closed or self._coalesced is not None:
+            return SLOW
+        comm = self._comm
+        return self._fast_call("allreduce", tensors, lambda done: comm.allreduce(
+            ptr, nbytes, numel, dtype, op, 1.0, None, done), async_op)
+
     def allreduce_coalesced(self, tensors, opts=None) -> ShmWork:
         """Reduce each tensor of ``tensors`` (one dtype, any sizes) in place, as one core
         batch: one descriptor and a table of the tensors' sizes, then the tensors back to

@@ -26,6 +26,7 @@
 
 #include <pybind11/chrono.h>
 #include <pybind11/stl.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 
@@ -262,12 +263,31 @@ class ShmBackend : public c10d::Backend {
     for (size_t i = 0; i < kMethodCount; ++i) {
       methods_[i] = group_.attr(kMethodNames[i]);
     }
+    digested_allreduce_ = group_.attr("_allreduce_digested");
+    slow_ = py::module_::import("flagos_shm.backend.collectives.base").attr("SLOW");
+    // {torch dtype: (core dtype name, mask of allowed ops)}: the Python side states the rules.
+    py::dict table = py::module_::import("flagos_shm.backend.options").attr("fast_op_table")();
+    for (auto item : table) {
+      if (!THPDtype_Check(item.first.ptr())) {
+        continue;
+      }
+      auto type = reinterpret_cast<THPDtype*>(item.first.ptr())->scalar_type;
+      auto entry = item.second.cast<py::tuple>();
+      auto& fast = fast_[static_cast<size_t>(type)];
+      fast.name = entry[0].cast<py::str>();
+      fast.ops = entry[1].cast<uint32_t>();
+    }
   }
 
   ~ShmBackend() override {
     for (auto& method : methods_) {
       release(method);
     }
+    for (auto& fast : fast_) {
+      release(fast.name);
+    }
+    release(digested_allreduce_);
+    release(slow_);
     release(group_);
   }
 
@@ -308,6 +328,24 @@ class ShmBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors,
                                            const c10d::AllreduceOptions& opts) override {
+    // The common case (one contiguous CPU tensor, default options), taken apart here so that
+    // the Python side only checks the group's state and calls the core: the per-call cost
+    // of a small allreduce (DDP's buckets, metrics) is mostly this layer's.
+    if (tensors.size() == 1 && opts.timeout == c10d::kUnsetTimeout && !opts.sparseIndices.has_value()) {
+      const at::Tensor& t = tensors[0];
+      const auto op = static_cast<uint32_t>(opts.reduceOp.op_);
+      const FastType* fast = fast_type(t);
+      if (fast != nullptr && op < 32 && (fast->ops >> op & 1U) != 0) {
+        py::gil_scoped_acquire gil;
+        const int64_t numel = t.numel();
+        py::object result = digested_allreduce_(tensors, reinterpret_cast<uintptr_t>(t.data_ptr()),
+                                                numel * static_cast<int64_t>(t.element_size()), numel, fast->name,
+                                                op, opts.asyncOp);
+        if (!result.is(slow_)) {
+          return wrap(std::move(result), c10d::OpType::ALLREDUCE, tensors);
+        }
+      }
+    }
     return issue(kAllreduce, c10d::OpType::ALLREDUCE, tensors, tensors, opts);
   }
 
@@ -472,8 +510,32 @@ class ShmBackend : public c10d::Backend {
     return wrap(std::move(result), type, std::move(outputs));
   }
 
+  // A dtype the digested allreduce takes: its core name and the ops allowed for it.
+  struct FastType {
+    py::object name;  // a Python str, passed as it is
+    uint32_t ops = 0;  // bit 1 << RedOpType
+  };
+
+  // The dtype's entry if `t` is what the digested allreduce takes as it is (a dense,
+  // contiguous CPU tensor without lazy negation or conjugation, of a core dtype, at an
+  // address aligned to its element size), else nullptr.
+  const FastType* fast_type(const at::Tensor& t) const {
+    if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous() || t.is_neg() ||
+        t.is_conj()) {
+      return nullptr;
+    }
+    const auto& fast = fast_[static_cast<size_t>(t.scalar_type())];
+    if (!fast.name || reinterpret_cast<uintptr_t>(t.data_ptr()) % t.element_size() != 0) {
+      return nullptr;
+    }
+    return &fast;
+  }
+
   py::object group_;
   std::array<py::object, kMethodCount> methods_;
+  py::object digested_allreduce_;
+  py::object slow_;  // what the Python side returns when the call needs the full path
+  std::array<FastType, static_cast<size_t>(at::ScalarType::NumOptions)> fast_;
 };
 
 }  // namespace
