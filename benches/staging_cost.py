@@ -44,10 +44,12 @@ def _iters(nbytes: int, requested) -> int:
 
 
 def _median_call(fn, iters: int, barrier) -> float:
-    """Median seconds of ``fn()``, each call started together on both ranks."""
+    """Median seconds of ``fn()`` over ``iters`` calls made back to back (each collective
+    synchronises the ranks itself; a barrier between calls would add its own skew), after a
+    barrier that starts the loop together on both ranks."""
     times = []
+    barrier()
     for _ in range(iters):
-        barrier()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)

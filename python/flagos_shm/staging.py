@@ -25,6 +25,7 @@ tensor:
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 from typing import Optional
@@ -35,7 +36,7 @@ from torch.autograd.graph import increment_version as _increment_version
 from . import _core
 
 __all__ = ["CORE_DTYPES", "HostBuffer", "PinnedPool", "core_dtype", "check", "stage", "scratch", "pack",
-           "unpack", "concat", "split_into", "copy_into", "finish", "pinned_pool"]
+           "unpack", "concat", "split_into", "copy_into", "finish", "pinned_pool", "stage_device"]
 
 #: Element count from which torch splits a CPU copy over its intra-op threads
 #: (``at::internal::GRAIN_SIZE``, aten/src/ATen/Parallel.h): :func:`copy_into` copies
@@ -60,6 +61,10 @@ CORE_DTYPES: dict[torch.dtype, str] = {
     torch.int64: "int64",
     torch.bool: "bool",
 }
+
+#: Stands for ``torch.no_grad()`` where nothing needs it (a tensor that does not require grad):
+#: entering no_grad costs about 2 us.
+_NO_GRAD_NEEDED = contextlib.nullcontext()
 
 _COMPLEX_TO_REAL = {
     torch.complex32: torch.float16,
@@ -140,7 +145,7 @@ class HostBuffer:
         buffer.
         """
         if self._write_back:
-            with torch.no_grad():
+            with torch.no_grad() if self.tensor.requires_grad else _NO_GRAD_NEEDED:
                 if self._pinned is None:
                     copy_into(self.tensor, self.host)
                 else:
@@ -156,14 +161,14 @@ class _PinnedHostBuffer(HostBuffer):
     in CPython). A separate class so that CPU buffers, the per-call fast path, carry no
     finaliser."""
 
-    __slots__ = ()
+    __slots__ = ("_key",)
 
     def __del__(self):
         # The event orders the memory's reuse after any pending host-to-device copy from it.
         pinned = getattr(self, "_pinned", None)
         if pinned is not None:
             self._pinned = None
-            pinned_pool().release(pinned, self._event)
+            pinned_pool().release(pinned, self._event, self.host, getattr(self, "_key", None))
 
 
 def check(tensor, arg: str, *, write: bool = False) -> str:
@@ -204,7 +209,7 @@ def stage(tensor, arg: str, *, read: bool = True, write: bool = False) -> HostBu
     """
     dtype = check(tensor, arg, write=write)
     if not tensor.is_cpu:
-        return _stage_device(tensor, dtype, read, write)
+        return stage_device(tensor, dtype, read, write)
     lazy = tensor.is_neg() or (tensor.dtype in _COMPLEX_TO_REAL and tensor.is_conj())
     aligned = tensor.data_ptr() % tensor.element_size() == 0
     if tensor.is_contiguous() and aligned and not lazy:
@@ -306,25 +311,65 @@ def finish(buffers) -> None:
 # ---- device tensors: pinned host memory -----------------------------------------------------
 
 
+def _accelerator_stream_getter():
+    """``torch._C._accelerator_getStream`` (the current stream of an accelerator device index,
+    as a C++ ``torch.Stream``; torch >= 2.6), or None. ``torch.accelerator.current_stream``
+    wraps it with device normalisation in Python (3 us a call on the AMD EPYC VM); a device
+    module's own ``current_stream`` may be slower still (the emulator's, written in Python:
+    14 us)."""
+    getter = getattr(torch._C, "_accelerator_getStream", None)
+    accelerator = getattr(torch, "accelerator", None)
+    if getter is None or accelerator is None or not hasattr(accelerator, "current_accelerator"):
+        return None
+    return getter
+
+
+_GET_STREAM = _accelerator_stream_getter()
+
+
+_accelerator_type: Optional[str] = None  # this process's accelerator, once torch has one
+
+
 def _current_stream(device: torch.device) -> torch.Stream:
-    """The current stream of ``device`` from its device module (``torch.flagos``,
-    ``torch.cuda``, ...)."""
+    """The current stream of ``device``: through torch's accelerator API when ``device`` is
+    this process's accelerator (a C++ ``torch.Stream``: cheap to get, to synchronise, to
+    record events on and to make current), else from its device module (``torch.cuda``,
+    ``torch.flagos``, ...)."""
+    global _accelerator_type
+    if _GET_STREAM is not None and device.index is not None:
+        if _accelerator_type is None:  # set once: a process's accelerator does not change
+            accelerator = torch.accelerator.current_accelerator()
+            _accelerator_type = accelerator.type if accelerator is not None else None
+        if _accelerator_type == device.type:
+            return _GET_STREAM(device.index)
     return torch.get_device_module(device.type).current_stream(device)
 
 
-def _stage_device(tensor: torch.Tensor, dtype: str, read: bool, write: bool) -> HostBuffer:
-    """Stage a device tensor through a pinned host buffer (see the module docstring)."""
-    nbytes = tensor.numel() * tensor.element_size()
-    pinned = pinned_pool().acquire(nbytes)
-    host = pinned[:nbytes].view(tensor.dtype).view(tensor.shape)
+def stage_device(tensor: torch.Tensor, dtype: str, read: bool, write: bool) -> HostBuffer:
+    """Stage a tensor on an accelerator through a pinned host buffer (see the module
+    docstring); :func:`stage` calls it after its checks, the c10d adapter's digested
+    allreduce directly (it has checked the tensor in C++). ``dtype`` is the core's name of
+    the tensor's dtype.
+
+    Per call: one pooled pinned buffer already shaped like ``tensor`` (the pool keeps the
+    last view it made of each buffer), the current stream, and for an input the copy out and
+    a synchronisation of that stream; no autograd bookkeeping unless the tensor requires
+    grad."""
+    pinned, host, key = pinned_pool().acquire_as(tensor.numel() * tensor.element_size(), tensor.dtype, tensor.shape)
     stream = _current_stream(tensor.device)
-    if read and nbytes:
-        with torch.no_grad():
-            # Enqueued on the tensor's current stream, after the work that produced it;
-            # a non-contiguous source is gathered by the copy itself.
-            host.copy_(tensor.resolve_conj().resolve_neg(), non_blocking=True)
+    if read and host.numel():
+        # Enqueued on the tensor's current stream, after the work that produced it; a
+        # non-contiguous source is gathered by the copy itself.
+        src = tensor.resolve_conj().resolve_neg() if tensor.is_conj() or tensor.is_neg() else tensor
+        if tensor.requires_grad:
+            with torch.no_grad():
+                host.copy_(src, non_blocking=True)
+        else:
+            host.copy_(src, non_blocking=True)
         stream.synchronize()  # this stream only, not the device
-    return _PinnedHostBuffer(tensor, host, dtype, write_back=write, pinned=pinned, stream=stream)
+    buf = _PinnedHostBuffer(tensor, host, dtype, write_back=write, pinned=pinned, stream=stream)
+    buf._key = key
+    return buf
 
 
 class PinnedPool:
@@ -335,7 +380,10 @@ class PinnedPool:
     that a few sizes serve many calls, and grow on demand: a call holds as many pinned bytes
     as its device tensors have. Between calls the pool keeps at most ``limit_bytes`` of idle
     buffers (``FLAGOS_SHM_PINNED_POOL_BYTES``, default 256 MiB); idle buffers beyond that
-    are freed, smallest first. Thread-safe.
+    are freed, smallest first. Each idle buffer keeps the typed view last made of it
+    (:meth:`acquire_as`), so a call that stages a tensor of the same dtype and shape as an
+    earlier one (DDP's buckets, a training loop's metrics) gets it back without slicing and
+    viewing again (several us a call). Thread-safe.
 
     Args:
         limit_bytes: bytes of idle buffers to keep (>= 0).
@@ -347,7 +395,9 @@ class PinnedPool:
         if limit_bytes < 0:
             raise ValueError(f"limit_bytes: expected >= 0, got {limit_bytes}")
         self.limit_bytes = limit_bytes
-        self._idle: list = []  # (size, uint8 pinned tensor, event or None), sorted by size
+        # [size, uint8 pinned tensor, event or None, view key or None, view or None], by size
+        self._idle: list = []
+        self._idle_bytes = 0
         # Given back but not yet in _idle: release() runs from HostBuffer.__del__, so also from
         # the garbage collector, at any allocation, on a thread that may hold _lock itself
         # (inside acquire): it appends here without the lock (deque.append is atomic) and
@@ -360,31 +410,66 @@ class PinnedPool:
         """Bytes of pinned buffers currently held for reuse."""
         with self._lock:
             self._settle()
-            return sum(size for size, _, _ in self._idle)
+            return self._idle_bytes
+
+    def acquire_as(self, nbytes: int, dtype: torch.dtype, shape) -> tuple:
+        """A pinned buffer of at least ``nbytes`` bytes and a view of its first ``nbytes``
+        bytes as a tensor of ``dtype`` and ``shape`` (``nbytes`` must be their size):
+        ``(buffer, view, key)``; give the buffer back with ``release(buffer, event, view,
+        key)``. An idle buffer whose kept view has this dtype and shape is preferred."""
+        key = (dtype, shape)
+        entry = self._take(nbytes, key)
+        if entry is None:
+            size = max(self.MIN_BYTES, 1 << max(nbytes - 1, 0).bit_length())
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            return buf, buf[:nbytes].view(dtype).view(shape), key
+        _, buf, event, old_key, view = entry
+        if event is not None:
+            event.synchronize()  # the host-to-device copy that last read it has finished
+        if old_key != key:
+            view = buf[:nbytes].view(dtype).view(shape)
+        return buf, view, key
 
     def acquire(self, nbytes: int) -> torch.Tensor:
         """A 1-D uint8 pinned tensor of at least ``nbytes`` bytes, free to overwrite."""
-        with self._lock:
-            self._settle()
-            for i, (size, buf, event) in enumerate(self._idle):
-                if size >= nbytes:
-                    del self._idle[i]
-                    break
-            else:
-                buf = event = None
-        if buf is None:
+        entry = self._take(nbytes, None)
+        if entry is None:
             size = max(self.MIN_BYTES, 1 << max(nbytes - 1, 0).bit_length())
             return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        if event is not None:
-            event.synchronize()  # the host-to-device copy that last read it has finished
-        return buf
+        if entry[2] is not None:
+            entry[2].synchronize()
+        return entry[1]
 
-    def release(self, buf: torch.Tensor, event=None) -> None:
-        """Give ``buf`` back; ``event`` (if any) completes when the last copy from it did.
-        Never blocks: when the pool's lock is held (by another thread, or by this one when
-        the garbage collector runs a finaliser inside :meth:`acquire`), the lock's holder or
-        the next call files the buffer."""
-        self._returned.append((buf.numel(), buf, event))
+    def _take(self, nbytes: int, key) -> Optional[list]:
+        """Remove and return the idle entry for a call of ``nbytes`` bytes: the smallest
+        one that fits and keeps a view with ``key``, else the smallest that fits; None when
+        none fits."""
+        with self._lock:
+            if self._returned:
+                self._settle()
+            fit = None
+            for i, entry in enumerate(self._idle):
+                if entry[0] >= nbytes:
+                    if key is not None and entry[3] == key:
+                        fit = i
+                        break
+                    if fit is None:
+                        fit = i
+                        if key is None:
+                            break
+            if fit is None:
+                return None
+            entry = self._idle.pop(fit)
+            self._idle_bytes -= entry[0]
+            return entry
+
+    def release(self, buf: torch.Tensor, event=None, view=None, key=None) -> None:
+        """Give ``buf`` back; ``event`` (if any) completes when the last copy from it did;
+        ``view`` and ``key`` are what :meth:`acquire_as` handed out with it (kept for the
+        next call of that dtype and shape). Never blocks: when the pool's lock is held (by
+        another thread, or by this one when the garbage collector runs a finaliser inside
+        :meth:`acquire`), the lock's holder or the next call files the buffer."""
+        self._returned.append([buf.numel(), buf, event, key, view])
         if self._lock.acquire(blocking=False):
             try:
                 self._settle()
@@ -397,14 +482,15 @@ class PinnedPool:
         if not self._returned:
             return
         while self._returned:
-            self._idle.append(self._returned.popleft())
+            entry = self._returned.popleft()
+            self._idle.append(entry)
+            self._idle_bytes += entry[0]
         self._idle.sort(key=lambda item: item[0])
-        total = sum(size for size, _, _ in self._idle)
-        while self._idle and total > self.limit_bytes:
-            size, _, old_event = self._idle.pop(0)
+        while self._idle and self._idle_bytes > self.limit_bytes:
+            size, _, old_event, _, _ = self._idle.pop(0)
             if old_event is not None:
                 old_event.synchronize()
-            total -= size
+            self._idle_bytes -= size
 
 
 _pool: Optional[PinnedPool] = None

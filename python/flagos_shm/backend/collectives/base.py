@@ -302,7 +302,7 @@ class CollectiveBase:
 
     def _run(self, name: str, outputs: list, buffers: Sequence[staging.HostBuffer],
              calls: Sequence[Callable], opts=None, after: Optional[Callable[[], None]] = None,
-             can_async: bool = True) -> Optional[ShmWork]:
+             can_async: bool = True, async_op: Optional[bool] = None) -> Optional[ShmWork]:
         """Issue the core calls of one collective and return its ShmWork (``None`` for a
         synchronous call that succeeded when ``_sync_returns_none``; it then raises on failure).
 
@@ -316,18 +316,22 @@ class CollectiveBase:
                 path unless ``FLAGOS_SHM_ASYNC=0`` or ``can_async`` is False.
             after: run once every call has succeeded, before the write-back (e.g. copying a
                 scratch buffer out into the caller's list of tensors).
+            async_op: the call's ``asyncOp`` when the caller has read it already (``opts``
+                is then not looked at).
 
         Validation is over when this is called; errors raised by the transfer are stored in
         the work (``wait()`` re-raises them), prefixed with the group.
         """
-        if can_async and self._async and getattr(opts, "asyncOp", False) is True:
+        if async_op is None:
+            async_op = getattr(opts, "asyncOp", False) is True
+        if can_async and self._async and async_op:
             work = self._run_async(name, outputs, buffers, calls, after)
         else:
             error = self._run_inline(name, buffers, calls, after)
             # A caller that asked for async_op=True (run inline: FLAGOS_SHM_ASYNC=0, or a
             # call that cannot queue) still gets a work to wait on; None would crash C++
             # callers that wait on it (DDP's reducer and parameter check).
-            if self._sync_returns_none and getattr(opts, "asyncOp", False) is not True:
+            if self._sync_returns_none and not async_op:
                 if error is not None:
                     raise error
                 return None

@@ -98,6 +98,22 @@ class Reduction(CollectiveBase):
         return self._fast_call("allreduce", tensors, lambda done: comm.allreduce(
             ptr, nbytes, numel, dtype, op, 1.0, None, done), async_op)
 
+    def _allreduce_staged(self, tensors, dtype: str, op: int, async_op: bool):
+        """:meth:`allreduce` of a device tensor the c10d adapter has already checked in C++
+        (``tensors[0]``: on an accelerator, strided, contiguous, no lazy bits, of a core dtype;
+        no per-call timeout, an ``op`` that :func:`~flagos_shm.backend.options.fast_op_table`
+        allows for ``dtype``): the same call as the full path's, without taking the options
+        and the tensor apart again. Returns what :meth:`allreduce` would, or
+        :data:`~.base.SLOW` while coalescing (the adapter then calls :meth:`allreduce`)."""
+        if self._coalesced is not None:
+            return SLOW
+        name = "allreduce"
+        with self._validating(name, (tensors,)):  # a staging failure reaches the peers too
+            buf = staging.stage_device(tensors[0], dtype, read=True, write=True)
+        comm = self._comm
+        return self._run(name, tensors, [buf], [lambda done: comm.allreduce(
+            buf.ptr, buf.nbytes, buf.numel, dtype, op, 1.0, None, done)], async_op=async_op)
+
     def allreduce_coalesced(self, tensors, opts=None) -> ShmWork:
         """Reduce each tensor of ``tensors`` (one dtype, any sizes) in place, as one core
         batch: one descriptor and a table of the tensors' sizes, then the tensors back to

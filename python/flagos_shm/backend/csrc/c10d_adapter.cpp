@@ -264,6 +264,7 @@ class ShmBackend : public c10d::Backend {
       methods_[i] = group_.attr(kMethodNames[i]);
     }
     digested_allreduce_ = group_.attr("_allreduce_digested");
+    staged_allreduce_ = group_.attr("_allreduce_staged");
     slow_ = py::module_::import("flagos_shm.backend.collectives.base").attr("SLOW");
     // {torch dtype: (core dtype name, mask of allowed ops)}: the Python side states the rules.
     py::dict table = py::module_::import("flagos_shm.backend.options").attr("fast_op_table")();
@@ -287,6 +288,7 @@ class ShmBackend : public c10d::Backend {
       release(fast.name);
     }
     release(digested_allreduce_);
+    release(staged_allreduce_);
     release(slow_);
     release(group_);
   }
@@ -331,16 +333,22 @@ class ShmBackend : public c10d::Backend {
     // The common case (one contiguous CPU tensor, default options), taken apart here so that
     // the Python side only checks the group's state and calls the core: the per-call cost
     // of a small allreduce (DDP's buckets, metrics) is mostly this layer's.
+    // A device tensor likewise goes straight to staging (ShmGroup._allreduce_staged).
     if (tensors.size() == 1 && opts.timeout == c10d::kUnsetTimeout && !opts.sparseIndices.has_value()) {
       const at::Tensor& t = tensors[0];
       const auto op = static_cast<uint32_t>(opts.reduceOp.op_);
       const FastType* fast = fast_type(t);
       if (fast != nullptr && op < 32 && (fast->ops >> op & 1U) != 0) {
         py::gil_scoped_acquire gil;
-        const int64_t numel = t.numel();
-        py::object result = digested_allreduce_(tensors, reinterpret_cast<uintptr_t>(t.data_ptr()),
-                                                numel * static_cast<int64_t>(t.element_size()), numel, fast->name,
-                                                op, opts.asyncOp);
+        py::object result;
+        if (t.device().is_cpu()) {
+          const int64_t numel = t.numel();
+          result = digested_allreduce_(tensors, reinterpret_cast<uintptr_t>(t.data_ptr()),
+                                       numel * static_cast<int64_t>(t.element_size()), numel, fast->name, op,
+                                       opts.asyncOp);
+        } else {
+          result = staged_allreduce_(tensors, fast->name, op, opts.asyncOp);
+        }
         if (!result.is(slow_)) {
           return wrap(std::move(result), c10d::OpType::ALLREDUCE, tensors);
         }
@@ -517,15 +525,16 @@ class ShmBackend : public c10d::Backend {
   };
 
   // The dtype's entry if `t` is what the digested allreduce takes as it is (a dense,
-  // contiguous CPU tensor without lazy negation or conjugation, of a core dtype, at an
-  // address aligned to its element size), else nullptr.
+  // contiguous tensor without lazy negation or conjugation, of a core dtype; on the CPU at an
+  // address aligned to its element size, or on an accelerator, meta excluded), else nullptr.
   const FastType* fast_type(const at::Tensor& t) const {
-    if (!t.defined() || !t.device().is_cpu() || t.layout() != at::kStrided || !t.is_contiguous() || t.is_neg() ||
-        t.is_conj()) {
+    if (!t.defined() || t.layout() != at::kStrided || !t.is_contiguous() || t.is_neg() || t.is_conj() ||
+        t.is_meta()) {
       return nullptr;
     }
     const auto& fast = fast_[static_cast<size_t>(t.scalar_type())];
-    if (!fast.name || reinterpret_cast<uintptr_t>(t.data_ptr()) % t.element_size() != 0) {
+    if (!fast.name ||
+        (t.device().is_cpu() && reinterpret_cast<uintptr_t>(t.data_ptr()) % t.element_size() != 0)) {
       return nullptr;
     }
     return &fast;
@@ -534,6 +543,7 @@ class ShmBackend : public c10d::Backend {
   py::object group_;
   std::array<py::object, kMethodCount> methods_;
   py::object digested_allreduce_;
+  py::object staged_allreduce_;
   py::object slow_;  // what the Python side returns when the call needs the full path
   std::array<FastType, static_cast<size_t>(at::ScalarType::NumOptions)> fast_;
 };
