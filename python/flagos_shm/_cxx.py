@@ -98,7 +98,7 @@ def _command(source: str, output: str, python_module: bool, optimize: str) -> li
 
 
 def build(source: str, name: str, *, what: str, python_module: bool, headers: tuple = (),
-          optimize: str = "-O2") -> str:
+          optimize: str = "-O2", depends: tuple = ()) -> str:
     """Compile ``source`` unless a cached build matches; return the library's path.
 
     Args:
@@ -111,6 +111,7 @@ def build(source: str, name: str, *, what: str, python_module: bool, headers: tu
         headers: torch headers the source includes (paths under ``torch/include``), checked
             first so that a torch without headers gives a clear error.
         optimize: the optimisation flag.
+        depends: other files the source includes (their contents are part of the cache key).
 
     Returns:
         the path of the shared library (``<name><EXT_SUFFIX>`` for a Python module,
@@ -126,6 +127,9 @@ def build(source: str, name: str, *, what: str, python_module: bool, headers: tu
         text = f.read()
     suffix = sysconfig.get_config_var("EXT_SUFFIX") if python_module else ".so"
     key = hashlib.sha256(text)
+    for path in depends:
+        with open(path, "rb") as f:
+            key.update(f.read())
     key.update("\0".join(_command("SRC", "OUT", python_module, optimize)).encode())
     git = getattr(torch.version, "git_version", "")
     key.update(f"\0{_torch_version()}\0{git}\0{sys.version}\0{int(torch._C._GLIBCXX_USE_CXX11_ABI)}".encode())

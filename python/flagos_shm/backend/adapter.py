@@ -22,12 +22,14 @@ import threading
 
 import torch
 
-from .. import _cxx
+from .. import _cxx, staging
 from .group import ShmGroup
 
 __all__ = ["create_backend", "native", "process_group", "shm_part"]
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "c10d_adapter.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_SOURCE = os.path.join(_CSRC, "c10d_adapter.cpp")
+_DEPENDS = (os.path.join(_CSRC, "staging.hpp"),)
 _MODULE = "flagos_shm_c10d"
 #: The torch headers the adapter includes (checked before compiling, for a clear error).
 _HEADERS = ("torch/csrc/distributed/c10d/Backend.hpp", "torch/csrc/utils/pybind.h", "pybind11/pybind11.h")
@@ -48,10 +50,13 @@ def native():
     if _module is None:
         with _lock:
             if _module is None:
-                path = _cxx.build(_SOURCE, _MODULE, what=_WHAT, python_module=True, headers=_HEADERS)
+                path = _cxx.build(_SOURCE, _MODULE, what=_WHAT, python_module=True, headers=_HEADERS,
+                                  depends=_DEPENDS)
                 spec = importlib.util.spec_from_file_location(_MODULE, path)
                 module = importlib.util.module_from_spec(spec)
                 spec.loader.exec_module(module)
+                # the adapter's own staging pool keeps what the Python one does
+                module.set_pinned_pool_limit(staging.pinned_pool().limit_bytes)
                 sys.modules.setdefault(_MODULE, module)
                 _module = module
     return _module

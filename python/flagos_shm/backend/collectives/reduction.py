@@ -98,6 +98,16 @@ class Reduction(CollectiveBase):
         return self._fast_call("allreduce", tensors, lambda done: comm.allreduce(
             ptr, nbytes, numel, dtype, op, 1.0, None, done), async_op)
 
+    def _can_stage_directly(self) -> bool:
+        """Whether the c10d adapter may stage a synchronous call itself right now: the group
+        is open and not coalescing, and no earlier asynchronous call of it has still to write
+        into memory (the adapter's copy out would read a tensor before that write)."""
+        if self._closed or self._coalesced is not None or (self._pending and self._writing_back()):
+            return False
+        if self._inflight:
+            self._prune_inflight()
+        return not self._inflight
+
     def _allreduce_staged(self, tensors, dtype: str, op: int, async_op: bool):
         """:meth:`allreduce` of a device tensor the c10d adapter has already checked in C++
         (``tensors[0]``: on an accelerator, strided, contiguous, no lazy bits, of a core dtype;

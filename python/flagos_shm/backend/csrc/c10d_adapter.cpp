@@ -30,11 +30,14 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/utils/pybind.h>
 
+#include "staging.hpp"
+
 #include <array>
 #include <chrono>
 #include <exception>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <mutex>
 #include <string>
@@ -258,6 +261,12 @@ std::vector<at::Tensor> flatten(const std::vector<std::vector<at::Tensor>>& list
 // flagos_shm as the c10d backend of some device types of a process group.
 class ShmBackend : public c10d::Backend {
  public:
+  // A dtype the digested allreduce takes: its core name and the ops allowed for it.
+  struct FastType {
+    py::object name;  // a Python str, passed as it is
+    uint32_t ops = 0;  // bit 1 << RedOpType
+  };
+
   // `group`: the Python ShmGroup this backend forwards to. GIL held.
   ShmBackend(py::object group, int rank, int size) : Backend(rank, size), group_(std::move(group)) {
     for (size_t i = 0; i < kMethodCount; ++i) {
@@ -265,6 +274,7 @@ class ShmBackend : public c10d::Backend {
     }
     digested_allreduce_ = group_.attr("_allreduce_digested");
     staged_allreduce_ = group_.attr("_allreduce_staged");
+    can_stage_ = group_.attr("_can_stage_directly");
     slow_ = py::module_::import("flagos_shm.backend.collectives.base").attr("SLOW");
     // {torch dtype: (core dtype name, mask of allowed ops)}: the Python side states the rules.
     py::dict table = py::module_::import("flagos_shm.backend.options").attr("fast_op_table")();
@@ -289,6 +299,7 @@ class ShmBackend : public c10d::Backend {
     }
     release(digested_allreduce_);
     release(staged_allreduce_);
+    release(can_stage_);
     release(slow_);
     release(group_);
   }
@@ -346,6 +357,12 @@ class ShmBackend : public c10d::Backend {
           result = digested_allreduce_(tensors, reinterpret_cast<uintptr_t>(t.data_ptr()),
                                        numel * static_cast<int64_t>(t.element_size()), numel, fast->name, op,
                                        opts.asyncOp);
+        } else if (!opts.asyncOp && can_stage_().cast<bool>()) {
+          py::gil_scoped_release no_gil;
+          if (allreduce_staged_here(t, *fast, op)) {
+            return {};  // finished: the result is on its way back on the tensor's stream
+          }
+          result = slow_;
         } else {
           result = staged_allreduce_(tensors, fast->name, op, opts.asyncOp);
         }
@@ -518,11 +535,38 @@ class ShmBackend : public c10d::Backend {
     return wrap(std::move(result), type, std::move(outputs));
   }
 
-  // A dtype the digested allreduce takes: its core name and the ops allowed for it.
-  struct FastType {
-    py::object name;  // a Python str, passed as it is
-    uint32_t ops = 0;  // bit 1 << RedOpType
-  };
+  // A synchronous allreduce of one contiguous device tensor, staged here (staging.hpp) and
+  // reduced by the Python side's CPU path on the host copy: the call costs its two copies,
+  // the CPU call and little more. Called without the GIL, after can_stage_() said yes.
+  // Returns false when the Python side refused the host call (it then takes the device call
+  // through its own path); raises what the call raised.
+  bool allreduce_staged_here(const at::Tensor& t, const FastType& fast, uint32_t op) {
+    std::optional<Staged> staged;
+    try {
+      staged.emplace(t);
+    } catch (const std::exception& e) {  // the device runtime failed: the peers must not wait
+      py::gil_scoped_acquire gil;
+      try {
+        group_.attr("_comm").attr("fail")("allreduce", std::string("RuntimeError: ") + e.what());
+      } catch (const py::error_already_set&) {  // the caller's error matters more
+      }
+      throw;
+    }
+    const at::Tensor& host = staged->host();
+    {
+      py::gil_scoped_acquire gil;
+      const int64_t numel = host.numel();
+      py::object result = digested_allreduce_(std::vector<at::Tensor>{host},
+                                              reinterpret_cast<uintptr_t>(host.data_ptr()),
+                                              numel * static_cast<int64_t>(host.element_size()), numel, fast.name,
+                                              op, false);
+      if (result.is(slow_)) {
+        return false;
+      }
+    }
+    staged->finish();
+    return true;
+  }
 
   // The dtype's entry if `t` is what the digested allreduce takes as it is (a dense,
   // contiguous tensor without lazy negation or conjugation, of a core dtype; on the CPU at an
@@ -544,6 +588,7 @@ class ShmBackend : public c10d::Backend {
   std::array<py::object, kMethodCount> methods_;
   py::object digested_allreduce_;
   py::object staged_allreduce_;
+  py::object can_stage_;
   py::object slow_;  // what the Python side returns when the call needs the full path
   std::array<FastType, static_cast<size_t>(at::ScalarType::NumOptions)> fast_;
 };
@@ -556,6 +601,10 @@ PYBIND11_MODULE(flagos_shm_c10d, m) {
   py::module_::import("torch._C._distributed_c10d");  // registers c10d.Backend, Work, the options
   // A work's error, met by any pybind11 binding (torch's Work.wait, Future.wait, ...), becomes
   // the Python exception it came from.
+  m.def("set_pinned_pool_limit", [](int64_t bytes) { flagos_shm::pinned_pool().set_limit(bytes); },
+        py::arg("bytes"), "idle pinned bytes the adapter's own staging pool keeps between calls");
+  m.def("pinned_pool_idle_bytes", []() { return flagos_shm::pinned_pool().idle_bytes(); },
+        "idle pinned bytes the adapter's own staging pool holds now");
   py::register_exception_translator([](std::exception_ptr error) {
     try {
       if (error) {
