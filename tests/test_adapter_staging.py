@@ -1,10 +1,10 @@
-"""The c10d adapter's own staging (csrc/staging.hpp): a synchronous allreduce of one contiguous
-device tensor is staged in C++ and reduced by the CPU path; everything else keeps the Python
-staging (flagos_shm/staging.py). Checked on the emulated flagos device, 2 ranks: values
-against sums each rank computes from every rank's inputs, which path took each call (the
-Python staging is counted), the adapter pool's limit, errors on every rank with the group
-usable after, tensors that require grad, and calls after an asynchronous one on the same
-tensor.
+"""The c10d adapter's own staging (csrc/staging.hpp): a synchronous allreduce,
+all_gather_into_tensor or reduce_scatter_tensor of contiguous device tensors is staged in C++
+and run by the CPU path; everything else keeps the Python staging (flagos_shm/staging.py).
+Checked on the emulated flagos device, 2 ranks: values against references each rank computes
+from every rank's inputs, which path took each call (the Python staging is counted), the
+adapter pool's limit, errors on every rank with the group usable after, tensors that require
+grad, FSDP's in-place all-gather, and calls after an asynchronous one on the same tensor.
 """
 
 from __future__ import annotations
@@ -69,6 +69,26 @@ def rank_paths() -> dict:
         dist.all_reduce(s)
         out["strided"] = bool(torch.all(s.cpu() == total))
         out["strided_python_stagings"] = len(staged)
+        # all_gather_into_tensor and reduce_scatter_tensor, synchronous: staged by the adapter
+        for k in (1, 5, 20_000):
+            inp = torch.arange(k, dtype=torch.float32, device=dev) + 1000 * rank
+            out_ag = torch.full((n * k,), -1.0, device=dev)
+            dist.all_gather_into_tensor(out_ag, inp)
+            want = torch.cat([torch.arange(k, dtype=torch.float32) + 1000 * q for q in range(n)])
+            out[f"ag{k}"] = torch.equal(out_ag.cpu(), want)
+            big = torch.arange(n * k, dtype=torch.float64, device=dev) * (rank + 1)
+            out_rs = torch.full((k,), -1.0, dtype=torch.float64, device=dev)
+            dist.reduce_scatter_tensor(out_rs, big)
+            ref = torch.arange(n * k, dtype=torch.float64) * sum(range(1, n + 1))
+            out[f"rs{k}"] = torch.equal(out_rs.cpu(), ref[rank * k:(rank + 1) * k])
+            before = torch.arange(n * k, dtype=torch.float64) * (rank + 1)
+            out[f"rs_input_untouched{k}"] = torch.equal(big.cpu(), before)
+        out["pair_python_stagings"] = len(staged)
+        # FSDP's in-place all-gather: the input is this rank's piece of the output
+        flat = torch.zeros(n * 3, device=dev)
+        flat[rank * 3:(rank + 1) * 3] = float(rank + 7)
+        dist.all_gather_into_tensor(flat, flat[rank * 3:(rank + 1) * 3])
+        out["inplace_ag"] = flat.cpu().tolist() == [float(q + 7) for q in range(n) for _ in range(3)]
     # a leaf that requires grad (a parameter): its value changes, autograd does not object
     p = torch.nn.Parameter(torch.full((3,), float(rank + 1), device=dev))
     dist.all_reduce(p.data)
@@ -109,6 +129,14 @@ def rank_mismatch() -> dict:
     after = torch.full((3,), float(rank), device=dev)
     dist.all_reduce(after)
     out["after"] = after.cpu().tolist()
+    # all_gather_into_tensor whose pieces differ between ranks (each rank's own sizes fit)
+    gathered = torch.full((2 * (2 + rank),), -1.0, device=dev)
+    try:
+        dist.all_gather_into_tensor(gathered, torch.ones(2 + rank, device=dev))
+        out["ag_error"] = None
+    except ValueError as exc:
+        out["ag_error"] = f"ValueError: {exc}"
+    out["ag_untouched"] = bool(torch.all(gathered.cpu() == -1))
     native = flagos_shm.backend.native()
     native.set_pinned_pool_limit(600_000)
     for numel in (1 << 14, 1 << 15, 1 << 16, 1 << 17):  # buffers of 64 KiB to 512 KiB: 960 KiB
@@ -134,6 +162,10 @@ def test_synchronous_device_allreduce_is_staged_by_the_adapter(flagos2):
         assert res["async"] and res["async_python_stagings"] == 1, res
         assert res["strided"] and res["strided_python_stagings"] == 2, res
         assert res["param"] and res["version_moved"] and res["after_async"], res
+        for k in (1, 5, 20_000):
+            assert res[f"ag{k}"] and res[f"rs{k}"] and res[f"rs_input_untouched{k}"], (k, res)
+        assert res["pair_python_stagings"] == 2, res  # none since the strided one
+        assert res["inplace_ag"], res
 
 
 def test_a_mismatch_raises_on_every_rank_and_the_pool_keeps_its_limit(flagos2):
@@ -141,4 +173,6 @@ def test_a_mismatch_raises_on_every_rank_and_the_pool_keeps_its_limit(flagos2):
         assert res["error"] and "4" in res["error"] and "5" in res["error"], res
         assert res["untouched"], res
         assert res["after"] == [1.0, 1.0, 1.0], res
+        assert res["ag_error"] and "ValueError" in res["ag_error"], res
+        assert res["ag_untouched"], res
         assert 0 < res["idle_bytes"] <= 600_000, res  # the limit holds (the smallest go first)

@@ -396,6 +396,10 @@ class ShmBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override {
+    if (!opts.asyncOp && opts.timeout == c10d::kUnsetTimeout &&
+        pair_staged_here(kAllGatherSingle, output, input, input.numel() * getSize() == output.numel(), opts)) {
+      return {};
+    }
     return issue(kAllGatherSingle, c10d::OpType::_ALLGATHER_BASE, {output}, output, input, opts);
   }
 
@@ -431,6 +435,13 @@ class ShmBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts) override {
+    const auto op = static_cast<uint32_t>(opts.reduceOp.op_);
+    const FastType* fast = fast_type(input);
+    if (!opts.asyncOp && opts.timeout == c10d::kUnsetTimeout && fast != nullptr && op < 32 &&
+        (fast->ops >> op & 1U) != 0 &&
+        pair_staged_here(kReduceScatterSingle, output, input, output.numel() * getSize() == input.numel(), opts)) {
+      return {};
+    }
     return issue(kReduceScatterSingle, c10d::OpType::_REDUCE_SCATTER_BASE, {output}, output, input, opts);
   }
 
@@ -535,6 +546,54 @@ class ShmBackend : public c10d::Backend {
     return wrap(std::move(result), type, std::move(outputs));
   }
 
+  // A synchronous all_gather_into_tensor / reduce_scatter_tensor of contiguous device tensors
+  // (one device, one dtype, sizes that fit: `sizes_fit`), staged here: the input copied out,
+  // the Python side's CPU path on the host copies (the same call as for CPU tensors), the
+  // output copied back. Returns false (nothing done) for any other call, or when the group
+  // has earlier asynchronous writes pending; raises what the call raised.
+  template <typename Options>
+  bool pair_staged_here(Method method, const at::Tensor& output, const at::Tensor& input, bool sizes_fit,
+                        const Options& opts) {
+    if (!sizes_fit || output.device().is_cpu() || output.device() != input.device() ||
+        output.scalar_type() != input.scalar_type() || fast_type(output) == nullptr ||
+        fast_type(input) == nullptr || output.numel() == 0) {
+      return false;
+    }
+    {
+      py::gil_scoped_acquire gil;
+      if (!can_stage_().cast<bool>()) {
+        return false;
+      }
+    }
+    std::optional<Staged> in;
+    std::optional<Staged> out;
+    try {
+      in.emplace(input, /*read=*/true, /*write=*/false, /*sync=*/false);
+      out.emplace(output, /*read=*/false, /*write=*/true);
+      in->synchronize();
+    } catch (const std::exception& e) {  // the device runtime failed: the peers must not wait
+      tell_peers(kMethodNames[method], e.what());
+      throw;
+    }
+    {
+      py::gil_scoped_acquire gil;
+      py::object result = methods_[method](out->host(), in->host(), opts);
+      if (!result.is_none()) {  // a work: wait for it (asyncOp is false: it has finished)
+        result.attr("wait")();
+      }
+    }
+    out->finish();
+    return true;
+  }
+
+  void tell_peers(const char* name, const char* what) {
+    py::gil_scoped_acquire gil;
+    try {
+      group_.attr("_comm").attr("fail")(name, std::string("RuntimeError: ") + what);
+    } catch (const py::error_already_set&) {  // the caller's error matters more
+    }
+  }
+
   // A synchronous allreduce of one contiguous device tensor, staged here (staging.hpp) and
   // reduced by the Python side's CPU path on the host copy: the call costs its two copies,
   // the CPU call and little more. Called without the GIL, after can_stage_() said yes.
@@ -545,11 +604,7 @@ class ShmBackend : public c10d::Backend {
     try {
       staged.emplace(t);
     } catch (const std::exception& e) {  // the device runtime failed: the peers must not wait
-      py::gil_scoped_acquire gil;
-      try {
-        group_.attr("_comm").attr("fail")("allreduce", std::string("RuntimeError: ") + e.what());
-      } catch (const py::error_already_set&) {  // the caller's error matters more
-      }
+      tell_peers("allreduce", e.what());
       throw;
     }
     const at::Tensor& host = staged->host();

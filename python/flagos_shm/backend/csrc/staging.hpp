@@ -1,6 +1,7 @@
 // Staging in C++: a device tensor's bytes through pinned host memory, for the calls the c10d
-// adapter stages itself (a synchronous allreduce of one contiguous device tensor: DDP's
-// parameter checks, metrics, a training loop's small reductions). The semantics are those of
+// adapter stages itself (synchronous allreduce, all_gather_into_tensor and
+// reduce_scatter_tensor of contiguous device tensors: parameter checks, metrics, a training
+// loop's small reductions, FSDP-style gathers issued synchronously). The semantics are those of
 // flagos_shm/staging.py (the Python side stages every other call): the copy out is enqueued on
 // the tensor's current stream and only that stream is synchronised; the copy back is enqueued
 // non-blocking on the same stream, so later work there sees the result; the buffer goes back
@@ -101,22 +102,31 @@ inline PinnedPool& pinned_pool() {
   return *pool;
 }
 
-// One device tensor staged in host memory for a call that reads and writes it.
+// One device tensor staged in host memory for a call that reads it, writes it, or both.
 class Staged {
  public:
-  // Copies `tensor` (contiguous, on an accelerator) out to pinned memory on its current
-  // stream and waits for that stream.
-  explicit Staged(const at::Tensor& tensor)
+  // `read`: copies `tensor` (contiguous, on an accelerator) out to pinned memory on its
+  // current stream and waits for that stream (`sync` false: the caller waits, once for
+  // several tensors, with synchronize()). `write`: finish() copies the result back.
+  explicit Staged(const at::Tensor& tensor, bool read = true, bool write = true, bool sync = true)
       : tensor_(tensor),
+        write_(write),
         impl_(tensor.device().type()),
         stream_(impl_.getStream(tensor.device())),
         buffer_(pinned_pool().acquire(static_cast<int64_t>(tensor.nbytes()))) {
     host_ = at::from_blob(buffer_.bytes.data_ptr(), tensor.sizes(), tensor.options().device(at::kCPU));
-    if (tensor.numel() > 0) {
+    if (read && tensor.numel() > 0) {
       at::NoGradGuard no_grad;
       host_.copy_(tensor, /*non_blocking=*/true);
-      impl_.synchronizeStream(stream_);
+      if (sync) {
+        synchronize();
+      }
     }
+  }
+
+  // Waits for the tensor's stream (the copy out has landed).
+  void synchronize() {
+    impl_.synchronizeStream(stream_);
   }
 
   Staged(const Staged&) = delete;
@@ -136,7 +146,7 @@ class Staged {
   // Enqueues the copy back on the stream of the call, records the buffer's event after it,
   // and gives the buffer back.
   void finish() {
-    if (tensor_.numel() > 0) {
+    if (write_ && tensor_.numel() > 0) {
       c10::StreamGuard guard(stream_);
       at::NoGradGuard no_grad;
       tensor_.copy_(host_, /*non_blocking=*/true);
@@ -150,6 +160,7 @@ class Staged {
 
  private:
   at::Tensor tensor_;
+  bool write_;
   c10::impl::VirtualGuardImpl impl_;
   c10::Stream stream_;
   PinnedPool::Buffer buffer_;
