@@ -1,10 +1,11 @@
-"""The c10d adapter's own staging (csrc/staging.hpp): a synchronous allreduce,
-all_gather_into_tensor or reduce_scatter_tensor of contiguous device tensors is staged in C++
-and run by the CPU path; everything else keeps the Python staging (flagos_shm/staging.py).
-Checked on the emulated flagos device, 2 ranks: values against references each rank computes
-from every rank's inputs, which path took each call (the Python staging is counted), the
-adapter pool's limit, errors on every rank with the group usable after, tensors that require
-grad, FSDP's in-place all-gather, and calls after an asynchronous one on the same tensor.
+"""The c10d adapter's own staging (csrc/staging.hpp): a synchronous allreduce, broadcast,
+all_gather_into_tensor, reduce_scatter_tensor or all_to_all_single (no split sizes) of
+contiguous device tensors is staged in C++ and run by the CPU path; everything else keeps the
+Python staging (flagos_shm/staging.py). Checked on the emulated flagos device, 2 ranks:
+values against references each rank computes from every rank's inputs, which path took each
+call (the Python staging is counted), the adapter pool's limit, errors on every rank with the
+group usable after, tensors that require grad, FSDP's in-place all-gather, and calls after an
+asynchronous one on the same tensor.
 """
 
 from __future__ import annotations
@@ -84,6 +85,17 @@ def rank_paths() -> dict:
             before = torch.arange(n * k, dtype=torch.float64) * (rank + 1)
             out[f"rs_input_untouched{k}"] = torch.equal(big.cpu(), before)
         out["pair_python_stagings"] = len(staged)
+        # broadcast from the last rank and all_to_all_single without split sizes
+        for k in (1, 1000):
+            bc = torch.full((k,), float(rank + 5), dtype=torch.float16, device=dev)
+            dist.broadcast(bc, src=n - 1)
+            out[f"bcast{k}"] = bool(torch.all(bc.cpu() == n + 4))
+            send = torch.arange(n * k, dtype=torch.int64, device=dev) + 100 * rank
+            recv = torch.full((n * k,), -1, dtype=torch.int64, device=dev)
+            dist.all_to_all_single(recv, send)
+            want = torch.cat([torch.arange(rank * k, (rank + 1) * k, dtype=torch.int64) + 100 * q for q in range(n)])
+            out[f"a2a{k}"] = torch.equal(recv.cpu(), want)
+        out["more_pair_python_stagings"] = len(staged)
         # FSDP's in-place all-gather: the input is this rank's piece of the output
         flat = torch.zeros(n * 3, device=dev)
         flat[rank * 3:(rank + 1) * 3] = float(rank + 7)
@@ -166,6 +178,8 @@ def test_synchronous_device_allreduce_is_staged_by_the_adapter(flagos2):
             assert res[f"ag{k}"] and res[f"rs{k}"] and res[f"rs_input_untouched{k}"], (k, res)
         assert res["pair_python_stagings"] == 2, res  # none since the strided one
         assert res["inplace_ag"], res
+        assert res["bcast1"] and res["bcast1000"] and res["a2a1"] and res["a2a1000"], res
+        assert res["more_pair_python_stagings"] == 2, res
 
 
 def test_a_mismatch_raises_on_every_rank_and_the_pool_keeps_its_limit(flagos2):

@@ -275,6 +275,35 @@ def test_cross_process_copy_with_ranks_that_do_not_take_part(tmp_path):
     assert [c["size_bytes"] for c in doc["xcopy_baseline"]] == [4, 4096]
 
 
+@pytest.mark.timeout(200)
+def test_device_run_reports_what_staging_costs(tmp_path):
+    """``--device flagos`` (the emulator): flagos_shm is measured on flagos and on CPU tensors,
+    the device copies alone beside them, and the staging table's excess is staged - cpu -
+    copies for each op and size; the plot and the tables name both."""
+    out = tmp_path / "b.json"
+    cmd = [sys.executable, "-m", "flagos_shm.bench", "--nproc", "2", "--sizes", "4,64K", "--ops",
+           "allreduce,allgather", "--backends", "flagos_shm", "--device", "flagos", "--iters", "5", "--warmup", "1",
+           "--rounds", "1", "--timeout", "60", "--job-timeout", "150", "--no-progress", "--json", str(out)]
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1", FLAGOS_SHM_EMULATE_DEVICES="4"),
+                          capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    with open(out) as fh:
+        doc = json.load(fh)
+    devices = {(r["backend"], r["device"]) for r in doc["results"]}
+    assert devices == {("flagos_shm", "flagos"), ("flagos_shm@cpu", "cpu")}, devices
+    assert "flagos_shm@cpu" in doc["config"]["backends"]
+    copies = {c["size_bytes"]: c["time_us_median"] for c in doc["device_copy_baseline"]}
+    assert set(copies) >= {4, 65536} and all(v > 0 for v in copies.values()), copies
+    med = {(r["backend"], r["op"], r["size_bytes"]): r["time_us_median"] for r in doc["results"]}
+    rows = {(r["op"], r["size_bytes"]): r for r in doc["staging"]}
+    # allgather's smallest S is one element per rank: 8 B at world size 2
+    assert set(rows) == {("allreduce", 4), ("allreduce", 65536), ("allgather", 8), ("allgather", 65536)}, rows
+    for (op, s), r in rows.items():
+        assert r["staged_us"] == med[("flagos_shm", op, s)] and r["cpu_us"] == med[("flagos_shm@cpu", op, s)]
+        assert r["excess_us"] == pytest.approx(r["staged_us"] - r["cpu_us"] - copies[s])
+    assert "staging: flagos_shm on flagos tensors" in proc.stdout
+
+
 def _anon_huge_kib(ptr: int, nbytes: int) -> int:
     """AnonHugePages (KiB) of the mappings that overlap ``[ptr, ptr + nbytes)``, read with a
     regex (the reference for :func:`flagos_shm.bench.machine.torch_cpu_hugepages`'s parser)."""

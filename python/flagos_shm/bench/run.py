@@ -20,19 +20,27 @@ from .overhead import measure_overhead
 from .plan import build_parser, output_paths, plan_from_args
 from .progress import Progress
 from .rounds import best_of
-from .tables import ratios, report
-from .timing import measure, measure_copy
+from .tables import ratios, report, staging_rows
+from .timing import measure, measure_copy, measure_device_copy
+
+#: With --device other than cpu: flagos_shm on CPU tensors too, under this name, so that the
+#: report can say what staging costs beyond the CPU call and the device copies.
+CPU_TWIN = "flagos_shm@cpu"
 
 
 def _measure_round(plan, cases, copy_sizes, groups, devices, ctrl, rank, progress,
-                   skipped: Optional[list]) -> Tuple[list, list, list]:
+                   skipped: Optional[list]) -> Tuple[list, list, list, list]:
     """One round: the copy baselines, then every case on every torch backend. Returns
-    ``(copy_rows, xcopy_rows, results)``; cases a backend rejects on every rank go to
-    ``skipped`` on rank 0 (None: not recorded, as in every round after the first)."""
+    ``(copy_rows, xcopy_rows, results, device_copy_rows)``; cases a backend rejects on every
+    rank go to ``skipped`` on rank 0 (None: not recorded, as in every round after the
+    first)."""
     copy_rows = measure_copy(copy_sizes, plan, rank, ctrl, progress)
     if rank == 0:
         progress.note("cross-process copy baseline (ranks 0 and 1)")
     xcopy_rows = limit.measure_xcopy(copy_sizes, plan, rank, ctrl, plan.world_size)
+    staged_device = devices.get(REFERENCE)
+    device_copy_rows = ([] if staged_device is None or staged_device.type == "cpu"
+                        else measure_device_copy(copy_sizes, plan, rank, ctrl, staged_device))
     results = []
     for op, dtype, _, size in cases:
         for b, g in groups.items():
@@ -44,7 +52,7 @@ def _measure_round(plan, cases, copy_sizes, groups, devices, ctrl, rank, progres
             if rank == 0:
                 w, i = iterations(size, plan.iters, plan.warmup)
                 progress.advance(Progress.weight(size, w, i), f"{op} {dtype} {human(size)} {b}")
-    return copy_rows, xcopy_rows, results
+    return copy_rows, xcopy_rows, results, device_copy_rows
 
 
 def worker(args, argv: Sequence[str]) -> int:
@@ -86,6 +94,11 @@ def worker(args, argv: Sequence[str]) -> int:
                   for b in plan.torch_backends}
         cpu = torch.device("cpu")
         devices = {b: (device if b == "flagos_shm" else cpu) for b in groups}
+        if device.type != "cpu" and "flagos_shm" in groups:
+            groups[CPU_TWIN], devices[CPU_TWIN] = groups["flagos_shm"], cpu
+            notes.append(f"--device {plan.device}: flagos_shm was measured on {device.type} tensors (staged "
+                         f"through pinned host memory) and, as {CPU_TWIN}, on CPU tensors; the staging "
+                         "table puts the device copies alone beside them")
         if device.type != "cpu" and "gloo" in groups:
             notes.append(f"--device {plan.device}: gloo cannot take {device.type} tensors; gloo "
                          f"was measured on CPU tensors, flagos_shm on {device.type} tensors")
@@ -114,7 +127,7 @@ def worker(args, argv: Sequence[str]) -> int:
         overhead = None
         if "flagos_shm" in groups:
             overhead = measure_overhead(groups["flagos_shm"], ctrl, plan, rank, device)
-        rounds: List[Tuple[list, list, list]] = []
+        rounds: List[Tuple[list, list, list, list]] = []
         for rnd in range(plan.rounds):
             round_rows = _measure_round(plan, cases, copy_sizes, groups, devices, ctrl, rank, progress,
                                         skipped if rnd == 0 else None)
@@ -131,7 +144,7 @@ def worker(args, argv: Sequence[str]) -> int:
                     store.wait([f"flagos_shm.bench/mpi-round-{rnd}"], timedelta(seconds=args.job_timeout))
                     mpi_info = {"status": store.get(f"flagos_shm.bench/mpi-round-{rnd}").decode()}
             rounds.append(round_rows)
-        copy_rows, xcopy_rows, results = (best_of([r[i] for r in rounds]) for i in range(3))
+        copy_rows, xcopy_rows, results, device_copy_rows = (best_of([r[i] for r in rounds]) for i in range(4))
         dist.barrier(group=ctrl)
     except Exception:
         progress.close()
@@ -166,7 +179,9 @@ def worker(args, argv: Sequence[str]) -> int:
         "machine": machine_info() | {"cpus_allowed": len(cpus) if cpus else None},
         "config": {"world_size": world_size, "simulated_nodes": args.nodes, "ops": plan.ops,
                    "sizes_requested": plan.sizes,
-                   "dtypes": plan.dtypes, "backends": plan.backends, "device": str(plan.device),
+                   "dtypes": plan.dtypes,
+                   "backends": plan.backends + ([CPU_TWIN] if device_copy_rows else []),
+                   "device": str(plan.device),
                    "bind": plan.bind, "iters": plan.iters, "warmup": plan.warmup, "rounds": plan.rounds,
                    "intra_op_threads": torch.get_num_threads(),
                    "iteration_rule": f"iters = clamp({ITER_BUDGET_BYTES} / S, {MIN_ITERS}, "
@@ -182,6 +197,10 @@ def worker(args, argv: Sequence[str]) -> int:
         "xcopy_definition": ("rank 0 writes S bytes into shared memory, rank 1 copies them into its own buffer "
                              "(1 thread, Tensor.copy_); median"),
         "multiples": limit.multiples(results, copy_rows, xcopy_rows),
+        "device_copy_baseline": device_copy_rows,
+        "device_copy_definition": ("every rank at once: S bytes device -> pinned host on the current stream, "
+                                   "that stream synchronised, S bytes pinned host -> device; rank 0's median"),
+        "staging": staging_rows(results, device_copy_rows),
         "plan": plan_info,
         "overhead": overhead,
         "mpi": mpi_info,

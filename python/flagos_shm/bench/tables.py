@@ -81,6 +81,16 @@ def format_tables(doc: dict) -> str:
             elif ar:
                 continue  # a size only other ops use (e.g. allgather's n x element)
             lines.append(line)
+    staging = doc.get("staging") or []
+    if staging:
+        lines.append(f"\nstaging: flagos_shm on {staging[0]['device']} tensors against the same call on CPU "
+                     f"tensors and the device copies of S alone ({doc.get('device_copy_definition', '')}); "
+                     "median us; excess = staged - cpu - copies")
+        lines.append(f"{'op':<15} {'dtype':<9} {'size S':>10} {'staged':>10} {'cpu':>10} {'copies':>10} "
+                     f"{'excess':>10}")
+        for r in staging:
+            lines.append(f"{r['op']:<15} {r['dtype']:<9} {human(r['size_bytes']):>10} {r['staged_us']:>10.1f} "
+                         f"{r['cpu_us']:>10.1f} {r['copies_us']:>10.1f} {r['excess_us']:>10.1f}")
     lines += limit.format_limit(doc)
     ov = doc.get("overhead")
     if ov and "calls" in ov:
@@ -104,6 +114,29 @@ def format_tables(doc: dict) -> str:
     for note in doc.get("notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+#: flagos_shm on CPU tensors, beside flagos_shm on device tensors (run.CPU_TWIN).
+_CPU_TWIN = f"{REFERENCE}@cpu"
+
+
+def staging_rows(results: Sequence[dict], device_copies: Sequence[dict]) -> List[dict]:
+    """What staging costs, per (op, dtype, S) measured on both devices: flagos_shm's median
+    on device tensors (``staged_us``) and on CPU tensors (``cpu_us``), the device copies of S
+    alone (``copies_us``: S out and S back, an upper bound for an allgather's or a
+    reduce-scatter's copies, whose input or output is S / world size), and
+    ``excess_us = staged - cpu - copies``. Empty without device results."""
+    copies = {c["size_bytes"]: c["time_us_median"] for c in device_copies}
+    cpu = {(r["op"], r["dtype"], r["size_bytes"]): r for r in results if r["backend"] == _CPU_TWIN}
+    rows = []
+    for r in results:
+        key = (r["op"], r["dtype"], r["size_bytes"])
+        if r["backend"] != REFERENCE or key not in cpu or r["size_bytes"] not in copies:
+            continue
+        staged, base, copy = r["time_us_median"], cpu[key]["time_us_median"], copies[r["size_bytes"]]
+        rows.append({"op": r["op"], "dtype": r["dtype"], "size_bytes": r["size_bytes"], "device": r["device"],
+                     "staged_us": staged, "cpu_us": base, "copies_us": copy, "excess_us": staged - base - copy})
+    return rows
 
 
 def ratios(results: Sequence[dict]) -> List[dict]:

@@ -104,3 +104,41 @@ def measure_copy(sizes: Sequence[int], plan: Plan, rank: int, ctrl, progress: Pr
             torch.set_num_threads(threads)
     dist.barrier(group=ctrl)
     return rows
+
+
+def measure_device_copy(sizes: Sequence[int], plan: Plan, rank: int, ctrl, device) -> List[dict]:
+    """Every rank at once (as staging runs on every rank), for each S: the device copies a
+    staged call of S bytes cannot avoid, alone: S bytes from ``device`` to pinned host
+    memory on the current stream, a synchronisation of that stream, S bytes back. Returns
+    rank 0's rows (median of its calls), [] elsewhere."""
+    import torch
+    import torch.distributed as dist
+
+    stream = torch.get_device_module(device.type).current_stream(device)
+    rows = []
+    for s in sizes:
+        src = torch.ones(max(s, 1), dtype=torch.uint8, device=device)
+        dst = torch.ones(max(s, 1), dtype=torch.uint8, device=device)
+        out = torch.empty(max(s, 1), dtype=torch.uint8, pin_memory=True)
+        back = torch.ones(max(s, 1), dtype=torch.uint8, pin_memory=True)
+
+        def run():
+            out.copy_(src, non_blocking=True)
+            stream.synchronize()
+            dst.copy_(back, non_blocking=True)
+
+        warmup, iters = iterations(s, plan.iters, plan.warmup)
+        dist.barrier(group=ctrl)
+        for _ in range(warmup):
+            run()
+        elapsed = [0] * iters
+        clock = time.perf_counter_ns
+        for i in range(iters):
+            t0 = clock()
+            run()
+            elapsed[i] = clock() - t0
+        stream.synchronize()
+        if rank == 0:
+            rows.append({"size_bytes": s, "warmup": warmup, "iters": iters, **summarize(elapsed)})
+    dist.barrier(group=ctrl)
+    return rows

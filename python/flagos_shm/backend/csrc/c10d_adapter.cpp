@@ -336,6 +336,12 @@ class ShmBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
+    if (tensors.size() == 1 && !opts.asyncOp && opts.timeout == c10d::kUnsetTimeout && tensors[0].numel() > 0 &&
+        staged_here(kBroadcast, tensors[0], tensors[0], opts, [&](const at::Tensor& out, const at::Tensor&) {
+          return methods_[kBroadcast](std::vector<at::Tensor>{out}, opts);
+        })) {
+      return {};
+    }
     return issue(kBroadcast, c10d::OpType::BROADCAST, tensors, tensors, opts);
   }
 
@@ -396,8 +402,11 @@ class ShmBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override {
-    if (!opts.asyncOp && opts.timeout == c10d::kUnsetTimeout &&
-        pair_staged_here(kAllGatherSingle, output, input, input.numel() * getSize() == output.numel(), opts)) {
+    if (!opts.asyncOp && opts.timeout == c10d::kUnsetTimeout && input.numel() * getSize() == output.numel() &&
+        output.numel() > 0 &&
+        staged_here(kAllGatherSingle, output, input, opts, [&](const at::Tensor& out, const at::Tensor& in) {
+          return methods_[kAllGatherSingle](out, in, opts);
+        })) {
       return {};
     }
     return issue(kAllGatherSingle, c10d::OpType::_ALLGATHER_BASE, {output}, output, input, opts);
@@ -438,8 +447,10 @@ class ShmBackend : public c10d::Backend {
     const auto op = static_cast<uint32_t>(opts.reduceOp.op_);
     const FastType* fast = fast_type(input);
     if (!opts.asyncOp && opts.timeout == c10d::kUnsetTimeout && fast != nullptr && op < 32 &&
-        (fast->ops >> op & 1U) != 0 &&
-        pair_staged_here(kReduceScatterSingle, output, input, output.numel() * getSize() == input.numel(), opts)) {
+        (fast->ops >> op & 1U) != 0 && output.numel() * getSize() == input.numel() && output.numel() > 0 &&
+        staged_here(kReduceScatterSingle, output, input, opts, [&](const at::Tensor& out, const at::Tensor& in) {
+          return methods_[kReduceScatterSingle](out, in, opts);
+        })) {
       return {};
     }
     return issue(kReduceScatterSingle, c10d::OpType::_REDUCE_SCATTER_BASE, {output}, output, input, opts);
@@ -455,6 +466,13 @@ class ShmBackend : public c10d::Backend {
                                                std::vector<int64_t>& output_split_sizes,
                                                std::vector<int64_t>& input_split_sizes,
                                                const c10d::AllToAllOptions& opts) override {
+    if (output_split_sizes.empty() && input_split_sizes.empty() && !opts.asyncOp &&
+        opts.timeout == c10d::kUnsetTimeout && input.numel() == output.numel() && input.numel() % getSize() == 0 &&
+        staged_here(kAllToAllSingle, output, input, opts, [&](const at::Tensor& out, const at::Tensor& in) {
+          return methods_[kAllToAllSingle](out, in, output_split_sizes, input_split_sizes, opts);
+        })) {
+      return {};
+    }
     return issue(kAllToAllSingle, c10d::OpType::ALLTOALL_BASE, {output}, output, input, output_split_sizes,
                  input_split_sizes, opts);
   }
@@ -546,17 +564,19 @@ class ShmBackend : public c10d::Backend {
     return wrap(std::move(result), type, std::move(outputs));
   }
 
-  // A synchronous all_gather_into_tensor / reduce_scatter_tensor of contiguous device tensors
-  // (one device, one dtype, sizes that fit: `sizes_fit`), staged here: the input copied out,
-  // the Python side's CPU path on the host copies (the same call as for CPU tensors), the
-  // output copied back. Returns false (nothing done) for any other call, or when the group
-  // has earlier asynchronous writes pending; raises what the call raised.
-  template <typename Options>
-  bool pair_staged_here(Method method, const at::Tensor& output, const at::Tensor& input, bool sizes_fit,
-                        const Options& opts) {
-    if (!sizes_fit || output.device().is_cpu() || output.device() != input.device() ||
+  // A synchronous call on contiguous device tensors (one device, one dtype), staged here:
+  // `input` copied out, `call(host output, host input)` (the Python side's method for CPU
+  // tensors, run on the host copies), `output` copied back. `output` and `input` may be the
+  // same tensor (broadcast: copied out and back). Returns false (nothing done) when the
+  // tensors are not such, or the group has earlier asynchronous writes pending; raises what
+  // the call raised (the device tensors untouched).
+  template <typename Options, typename Call>
+  bool staged_here(Method method, const at::Tensor& output, const at::Tensor& input, const Options& /*opts*/,
+                   Call&& call) {
+    const bool same = output.is_same(input);
+    if (output.device().is_cpu() || output.device() != input.device() ||
         output.scalar_type() != input.scalar_type() || fast_type(output) == nullptr ||
-        fast_type(input) == nullptr || output.numel() == 0) {
+        fast_type(input) == nullptr) {
       return false;
     }
     {
@@ -568,16 +588,20 @@ class ShmBackend : public c10d::Backend {
     std::optional<Staged> in;
     std::optional<Staged> out;
     try {
-      in.emplace(input, /*read=*/true, /*write=*/false, /*sync=*/false);
-      out.emplace(output, /*read=*/false, /*write=*/true);
-      in->synchronize();
+      if (same) {
+        out.emplace(output, /*read=*/true, /*write=*/true);
+      } else {
+        in.emplace(input, /*read=*/true, /*write=*/false, /*sync=*/false);
+        out.emplace(output, /*read=*/false, /*write=*/true);
+        in->synchronize();
+      }
     } catch (const std::exception& e) {  // the device runtime failed: the peers must not wait
       tell_peers(kMethodNames[method], e.what());
       throw;
     }
     {
       py::gil_scoped_acquire gil;
-      py::object result = methods_[method](out->host(), in->host(), opts);
+      py::object result = call(out->host(), same ? out->host() : in->host());
       if (!result.is_none()) {  // a work: wait for it (asyncOp is false: it has finished)
         result.attr("wait")();
       }
