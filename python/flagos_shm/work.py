@@ -113,15 +113,17 @@ class ShmWork:
             self._done, self._lock = _Latch(), threading.Lock()
             self._callbacks = []
 
-    def _on_complete(self, fn: Callable[[Optional[BaseException]], None]) -> None:
-        """Call ``fn(error)`` (``error`` None on success) once the work has completed: at
-        once if it has, else from :meth:`_complete`, before :meth:`wait` returns."""
+    def _on_complete(self, fn: Callable, *args) -> None:
+        """Call ``fn(*args, error)`` (``error`` None on success) once the work has completed:
+        at once if it has, else from :meth:`_complete`, before :meth:`wait` returns. (The
+        c10d adapter passes one function for all its works and the work's handle as
+        ``args``: making a function per work cost it several us a call.)"""
         with self._lock:
             callbacks = self._callbacks
             if callbacks is not None:
-                callbacks.append(fn)
+                callbacks.append((fn, args))
                 return
-        fn(self._error)
+        fn(*args, self._error)
 
     def _complete(self, error: Optional[BaseException] = None) -> None:
         """Mark the work finished (with ``error`` if it failed) and tell its callbacks."""
@@ -131,9 +133,9 @@ class ShmWork:
                 return
             self._callbacks = None
             self._error = error
-        for fn in callbacks:
+        for fn, args in callbacks:
             try:
-                fn(error)
+                fn(*args, error)
             except Exception:  # noqa: BLE001  a callback's failure must not keep the work open
                 _log.exception("flagos_shm: a work completion callback failed")
         self._done.set()
@@ -198,11 +200,11 @@ class CoalescedWork:
     def __init__(self, works: list):
         self._works = list(works)
 
-    def _on_complete(self, fn: Callable[[Optional[BaseException]], None]) -> None:
-        """Call ``fn(first error or None)`` once every work of the batch has completed."""
+    def _on_complete(self, fn: Callable, *args) -> None:
+        """Call ``fn(*args, first error or None)`` once every work of the batch has completed."""
         works = self._works
         if not works:
-            fn(None)
+            fn(*args, None)
             return
         left = [len(works)]
         errors: list = [None] * len(works)
@@ -214,7 +216,7 @@ class CoalescedWork:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                fn(next((e for e in errors if e is not None), None))
+                fn(*args, next((e for e in errors if e is not None), None))
 
         for i, work in enumerate(works):
             work._on_complete(lambda error, i=i: one(i, error))

@@ -116,13 +116,23 @@ class ShmWork : public c10d::Work {
   // Wraps the Python work `work` and asks it to report its completion. GIL held.
   static c10::intrusive_ptr<ShmWork> wrap(py::object work, c10d::OpType type, std::vector<at::Tensor> outputs) {
     auto self = c10::make_intrusive<ShmWork>(work, type, std::move(outputs));
-    // Called once, with the error or None, on whichever thread finishes the work (at once
-    // if it already has), before the Python work's wait() returns. It holds this work:
-    // callers may keep only its future (DDP's reducer does: `allreduce(...)->getFuture()`),
-    // which must still complete. The Python work drops the callback once it has run, which
-    // ends the cycle (this work -> Python work -> callback -> this work).
-    work.attr("_on_complete")(py::cpp_function([self](const py::object& error) { self->complete(error); }));
+    // completer()(handle, error) is called once, on whichever thread finishes the work (at
+    // once if it already has), before the Python work's wait() returns. The handle owns a
+    // reference to this work: callers may keep only its future (DDP's reducer does:
+    // `allreduce(...)->getFuture()`), which must still complete. One function serves every
+    // work (making one per work cost several us a call).
+    auto handle = reinterpret_cast<uintptr_t>(c10::intrusive_ptr<ShmWork>(self).release());
+    work.attr("_on_complete")(completer(), handle);
     return self;
+  }
+
+  // The function every Python work calls when it completes: (handle, error or None).
+  static const py::object& completer() {
+    static const py::object* fn = new py::object(py::cpp_function([](uintptr_t handle, const py::object& error) {
+      auto self = c10::intrusive_ptr<ShmWork>::reclaim(reinterpret_cast<ShmWork*>(handle));
+      self->complete(error);
+    }));  // never destroyed: the interpreter may be gone at process exit
+    return *fn;
   }
 
   bool wait(std::chrono::milliseconds timeout) override {
@@ -693,6 +703,10 @@ PYBIND11_MODULE(flagos_shm_c10d, m) {
       e.restore();
     }
   });
+  // Registered so that pybind11 finds the works' own type when it hands one to Python (an
+  // unregistered subclass sends every cast through its slower polymorphic fallback).
+  py::class_<flagos_shm::ShmWork, c10d::Work, c10::intrusive_ptr<flagos_shm::ShmWork>>(
+      m, "ShmWork", "the work of a flagos_shm call (torch's Work API)");
   py::class_<flagos_shm::ShmBackend, c10d::Backend, c10::intrusive_ptr<flagos_shm::ShmBackend>>(m, "ShmBackend")
       .def(py::init<py::object, int, int>(), py::arg("group"), py::arg("rank"), py::arg("size"))
       .def_property_readonly("group", &flagos_shm::ShmBackend::group,
