@@ -20,8 +20,6 @@ import tempfile
 import time
 import traceback
 
-import torch
-
 SPAWN_TIMEOUT_S = 90.0
 
 
@@ -58,7 +56,8 @@ def spawn(fn, world_size: int, env: dict | None = None, args: tuple = (),
     directory; ``rank_env[rank]`` adds variables for one rank, ``wrap[rank]`` is a command
     prefix for it (e.g. ``nsenter ...``), and a rank in ``may_die`` may fail or be killed
     (its result is then ``None``). Ranks run in their own session and get SIGKILL if this process dies; past
-    ``timeout`` seconds they dump their stacks and are killed. No process or directory is
+    ``timeout`` seconds (counted from here, whatever their start-up took) they dump their
+    stacks and are killed. No process or directory is
     left behind, whatever happens.
 
     Raises:
@@ -78,7 +77,8 @@ def spawn(fn, world_size: int, env: dict | None = None, args: tuple = (),
                 procs.append(subprocess.Popen(
                     list((wrap or {}).get(rank, [])) + [
                         sys.executable, os.path.abspath(__file__), "--child", sys.modules[fn.__module__].__file__,
-                        fn.__name__, str(rank), str(world_size), tmp, json.dumps(list(args)), str(timeout)],
+                        fn.__name__, str(rank), str(world_size), tmp, json.dumps(list(args)),
+                        str(time.monotonic() + timeout)],
                     env={**base, **(rank_env or {}).get(rank, {}), "RANK": str(rank)}, stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT, start_new_session=True))
@@ -112,7 +112,14 @@ def spawn(fn, world_size: int, env: dict | None = None, args: tuple = (),
 
 
 def _child_main(argv: list) -> int:
-    module_file, name, rank, world_size, tmp, args, timeout = argv
+    module_file, name, rank, world_size, tmp, args, deadline = argv
+    # The stack dump is armed first, for the parent's deadline (CLOCK_MONOTONIC is one clock
+    # for every process of the machine), before torch is imported: armed after the import,
+    # with the whole timeout, it fired after the parent had already killed a rank whose
+    # import took over 10 s on a loaded machine, and a hung rank left an empty log.
+    faulthandler.dump_traceback_later(max(1.0, float(deadline) - time.monotonic()), exit=True)
+    import torch
+
     try:
         import ctypes
 
@@ -121,7 +128,6 @@ def _child_main(argv: list) -> int:
             return 1
     except Exception:
         pass
-    faulthandler.dump_traceback_later(float(timeout), exit=True)
     torch.set_num_threads(1)
     try:
         spec = importlib.util.spec_from_file_location("_spawned_test_module", module_file)
