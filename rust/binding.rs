@@ -337,42 +337,42 @@ impl PyCommunicator {
         self.run(py, None, |c| Ok(c.single_copy_min_bytes()))
     }
 
-    /// The plan later calls use (`rust/plan.rs`): a dict of byte thresholds,
-    /// `one_shot_max_bytes` (allreduce one-shot up to it) and
-    /// `{allreduce,allgather,reduce_scatter}_single_copy_min_bytes` (None: never; also
-    /// None when the group cannot use single-copy transfers).
+    /// The plan later calls use (`rust/plan.rs`): a dict of byte thresholds keyed by
+    /// `PLAN_KEYS`: `one_shot_max_bytes` (allreduce one-shot up to it) and
+    /// `<collective>_single_copy_min_bytes` (None: never; also None when the group cannot
+    /// use single-copy transfers).
     #[getter]
     fn plan(&self, py: Python<'_>) -> PyResult<std::collections::BTreeMap<&'static str, Option<usize>>> {
         let p = self.run(py, None, |c| Ok(c.plan()))?;
-        let never = |v: usize| (v != crate::plan::NEVER).then_some(v);
-        Ok([
-            ("one_shot_max_bytes", Some(p.one_shot_max)),
-            ("allreduce_single_copy_min_bytes", never(p.allreduce_single_copy)),
-            ("allgather_single_copy_min_bytes", never(p.allgather_single_copy)),
-            ("reduce_scatter_single_copy_min_bytes", never(p.reduce_scatter_single_copy)),
-        ]
-        .into_iter()
-        .collect())
+        Ok(plan_dict(&p))
     }
 
-    /// Sets the plan of later calls (after every queued call); byte thresholds as in
-    /// `plan`, None meaning never. Every rank must set the same plan before its next
-    /// collective, or calls they move differently raise ValueError (a mismatch) on every rank.
-    fn set_plan(
-        &self,
-        py: Python<'_>,
-        one_shot_max_bytes: usize,
-        allreduce_single_copy_min_bytes: Option<usize>,
-        allgather_single_copy_min_bytes: Option<usize>,
-        reduce_scatter_single_copy_min_bytes: Option<usize>,
-    ) -> PyResult<()> {
-        let never = |v: Option<usize>| v.unwrap_or(crate::plan::NEVER);
-        let plan = crate::plan::Plan {
-            one_shot_max: one_shot_max_bytes,
-            allreduce_single_copy: never(allreduce_single_copy_min_bytes),
-            allgather_single_copy: never(allgather_single_copy_min_bytes),
-            reduce_scatter_single_copy: never(reduce_scatter_single_copy_min_bytes),
-        };
+    /// Sets the plan of later calls (after every queued call) from a dict with exactly the
+    /// keys of `PLAN_KEYS`, byte thresholds as in `plan`, None meaning never. Every rank
+    /// must set the same plan before its next collective, or calls they move differently
+    /// raise ValueError (a mismatch) on every rank.
+    ///
+    /// Raises ValueError (`plan` naming the missing or unknown keys, or a key whose value
+    /// is negative or does not fit the core's sizes) or TypeError (a value that is not an
+    /// int or None); the plan in use is then unchanged.
+    fn set_plan(&self, py: Python<'_>, plan: std::collections::HashMap<String, Option<i128>>) -> PyResult<()> {
+        let missing: Vec<&str> = crate::plan::KEYS.iter().copied().filter(|k| !plan.contains_key(*k)).collect();
+        let mut unknown: Vec<&String> = plan.keys().filter(|k| !crate::plan::KEYS.contains(&k.as_str())).collect();
+        unknown.sort();
+        if !missing.is_empty() || !unknown.is_empty() {
+            return Err(PyValueError::new_err(format!(
+                "plan: expected exactly the keys {:?}; missing {missing:?}, unknown {unknown:?}",
+                crate::plan::KEYS
+            )));
+        }
+        let mut v = [crate::plan::NEVER; crate::plan::KEYS.len()];
+        for (slot, k) in v.iter_mut().zip(crate::plan::KEYS) {
+            if let Some(x) = plan[k] {
+                *slot = usize::try_from(x)
+                    .map_err(|_| PyValueError::new_err(format!("plan: {k}={x}: expected bytes from 0 to {} or None", usize::MAX)))?;
+            }
+        }
+        let plan = crate::plan::Plan::from_values(v);
         self.run(py, None, move |c| {
             c.set_plan(plan);
             Ok(())
@@ -746,6 +746,13 @@ impl PyCommunicator {
     }
 }
 
+/// A plan as the Python side holds it: `PLAN_KEYS` to byte thresholds, None for
+/// [`crate::plan::NEVER`] (the one-shot limit is never None).
+fn plan_dict(p: &crate::plan::Plan) -> std::collections::BTreeMap<&'static str, Option<usize>> {
+    let never = |v: usize| (v != crate::plan::NEVER).then_some(v);
+    crate::plan::KEYS.iter().zip(p.values()).enumerate().map(|(i, (k, v))| (*k, if i == 0 { Some(v) } else { never(v) })).collect()
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(create_segment, m)?)?;
@@ -761,6 +768,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SMALL_SLOT_BYTES", segment::SMALL_SLOT_BYTES)?;
     m.add("ONE_SHOT_MAX_BYTES", ONE_SHOT_MAX_BYTES)?;
     m.add("CMA_MIN_BYTES", crate::algorithms::CMA_MIN_BYTES)?;
+    m.add("PLAN_KEYS", crate::plan::KEYS.to_vec())?;
+    m.add("PLAN_FALLBACK", plan_dict(&crate::plan::Plan::FALLBACK))?;
     m.add("SEGMENT_PREFIX", segment::NAME_PREFIX)?;
     m.add("DTYPES", DType::ALL.iter().map(|d| d.name()).collect::<Vec<_>>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -221,6 +221,8 @@ impl Communicator {
             Kind::Allreduce => p.allreduce_single_copy,
             Kind::Allgather => p.allgather_single_copy,
             Kind::ReduceScatter => p.reduce_scatter_single_copy,
+            Kind::Broadcast => p.broadcast_single_copy,
+            Kind::Alltoall => p.alltoall_single_copy,
             _ => NEVER,
         };
         self.cma_ok && min != NEVER && bytes >= min

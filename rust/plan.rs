@@ -32,7 +32,25 @@ pub struct Plan {
     pub allgather_single_copy: usize,
     /// The same for reduce-scatter (whole input).
     pub reduce_scatter_single_copy: usize,
+    /// The same for broadcast (the buffer): the non-roots read the root's buffer.
+    pub broadcast_single_copy: usize,
+    /// The same for all-to-all with equal pieces (the whole input): each rank reads its
+    /// piece of every peer's input.
+    pub alltoall_single_copy: usize,
 }
+
+/// The plan's thresholds by name, as the binding, `FLAGOS_SHM_PLAN` and the plan cache
+/// (`flagos_shm.backend.plan`, which takes them from `_core.PLAN_KEYS`) spell them, in
+/// [`Plan::values`]' order. The first is the one-shot allreduce limit; every other one is
+/// a single-copy threshold, named `<collective>_single_copy_min_bytes`.
+pub const KEYS: [&str; 6] = [
+    "one_shot_max_bytes",
+    "allreduce_single_copy_min_bytes",
+    "allgather_single_copy_min_bytes",
+    "reduce_scatter_single_copy_min_bytes",
+    "broadcast_single_copy_min_bytes",
+    "alltoall_single_copy_min_bytes",
+];
 
 impl Plan {
     /// The plan before a measured one is set: allreduce one-shot up to 256 KiB, single-copy
@@ -44,19 +62,52 @@ impl Plan {
         allreduce_single_copy: 2 * 1024 * 1024,
         allgather_single_copy: 256 * 1024,
         reduce_scatter_single_copy: 256 * 1024,
+        broadcast_single_copy: 256 * 1024,
+        alltoall_single_copy: 256 * 1024,
     };
+
+    /// The thresholds in [`KEYS`]' order.
+    pub fn values(&self) -> [usize; 6] {
+        [
+            self.one_shot_max,
+            self.allreduce_single_copy,
+            self.allgather_single_copy,
+            self.reduce_scatter_single_copy,
+            self.broadcast_single_copy,
+            self.alltoall_single_copy,
+        ]
+    }
+
+    /// The plan whose thresholds are `v`, in [`KEYS`]' order.
+    pub fn from_values(v: [usize; 6]) -> Plan {
+        Plan {
+            one_shot_max: v[0],
+            allreduce_single_copy: v[1],
+            allgather_single_copy: v[2],
+            reduce_scatter_single_copy: v[3],
+            broadcast_single_copy: v[4],
+            alltoall_single_copy: v[5],
+        }
+    }
 
     /// The plan with every single-copy threshold at [`NEVER`] (what a group that cannot
     /// read its peers' memory runs).
     pub fn without_single_copy(self) -> Plan {
-        Plan { allreduce_single_copy: NEVER, allgather_single_copy: NEVER, reduce_scatter_single_copy: NEVER, ..self }
+        self.with_single_copy_min(NEVER)
     }
 
     /// The plan with the legacy single-copy threshold `min` (`FLAGOS_SHM_CMA_MIN_BYTES`,
-    /// `set_single_copy_min_bytes`): allgather and reduce-scatter from `min` bytes,
-    /// allreduce from 8 x `min`.
+    /// `set_single_copy_min_bytes`): every single-copy collective from `min` bytes but
+    /// allreduce, from 8 x `min`.
     pub fn with_single_copy_min(self, min: usize) -> Plan {
-        Plan { allreduce_single_copy: min.saturating_mul(8), allgather_single_copy: min, reduce_scatter_single_copy: min, ..self }
+        Plan {
+            allreduce_single_copy: min.saturating_mul(8),
+            allgather_single_copy: min,
+            reduce_scatter_single_copy: min,
+            broadcast_single_copy: min,
+            alltoall_single_copy: min,
+            ..self
+        }
     }
 }
 
@@ -76,6 +127,15 @@ mod tests {
         assert_eq!((p.allreduce_single_copy, p.allgather_single_copy, p.reduce_scatter_single_copy), (8192, 1024, 1024));
         assert_eq!(p.one_shot_max, Plan::FALLBACK.one_shot_max);
         assert_eq!(Plan::FALLBACK.with_single_copy_min(NEVER).allreduce_single_copy, NEVER);
-        assert_eq!(Plan::FALLBACK.with_single_copy_min(4096).without_single_copy().allgather_single_copy, NEVER);
+        assert_eq!((p.broadcast_single_copy, p.alltoall_single_copy), (1024, 1024));
+        assert_eq!(Plan::FALLBACK.with_single_copy_min(4096).without_single_copy().values()[1..], [NEVER; 5]);
+    }
+
+    #[test]
+    fn values_follow_the_keys_and_round_trip() {
+        let p = Plan::from_values([1, 2, 3, 4, 5, 6]);
+        assert_eq!(p.values(), [1, 2, 3, 4, 5, 6]);
+        assert_eq!((p.one_shot_max, p.reduce_scatter_single_copy, p.alltoall_single_copy), (1, 4, 6));
+        assert!(KEYS[1..].iter().all(|k| k.ends_with("_single_copy_min_bytes")));
     }
 }

@@ -1,5 +1,5 @@
-//! The single-copy collectives (`process_vm_readv`, see `cma`): allreduce, allgather and
-//! reduce-scatter of large messages. Each publishes the address of its buffer with the
+//! The single-copy collectives (`process_vm_readv`, see `cma`): allreduce, allgather,
+//! reduce-scatter, broadcast and all-to-all of large messages. Each publishes the address of its buffer with the
 //! descriptor step, then reads the peers' buffers straight from their processes; a last
 //! step keeps every buffer untouched until all peers have finished reading it. Nothing
 //! goes through the segment's slots.
@@ -189,6 +189,51 @@ impl Communicator {
         // SAFETY: `own` holds `count` elements, `output` takes `count`.
         let r = unsafe { self.reduce_range_from_peers(red, &peers, own, output, a, b) };
         self.fail_midway(Kind::ReduceScatter, r)?;
+        self.sync(None)
+    }
+
+    /// Single-copy broadcast: every rank but the root reads the root's buffer into its
+    /// own; the root only publishes its address and waits until all have read.
+    ///
+    /// # Safety
+    /// `buf` readable for `bytes` on the root and writable elsewhere, untouched by
+    /// anything else during the call.
+    pub(crate) unsafe fn broadcast_single_copy(&mut self, buf: *mut u8, bytes: usize, root: usize, d: &Desc) -> Result<()> {
+        let peers = self.publish(buf, d)?;
+        if self.rank != root {
+            // SAFETY: `buf` is ours to write for `bytes`.
+            let r = unsafe { cma::read(peers[root].0, peers[root].1, buf, bytes) }.map_err(|e| of_rank(root, e));
+            self.fail_midway(Kind::Broadcast, r)?;
+        }
+        self.sync(None)
+    }
+
+    /// Single-copy all-to-all: rank r reads piece r of every peer's input into the
+    /// peer's piece of its output, and copies its own piece locally.
+    ///
+    /// # Safety
+    /// `input` readable and `output` writable for `n * count` aligned elements of `es`
+    /// bytes; they do not overlap and nothing else accesses them during the call.
+    pub(crate) unsafe fn alltoall_single_copy(
+        &mut self,
+        input: *const u8,
+        output: *mut u8,
+        count: usize,
+        es: usize,
+        d: &Desc,
+    ) -> Result<()> {
+        let peers = self.publish(input, d)?;
+        let (n, me, piece) = (self.n, self.rank, count * es);
+        // SAFETY: piece `me` of `input` and of `output` lie inside them (n * piece bytes
+        // each) and do not overlap (the contract).
+        unsafe { copy_nonoverlapping(input.add(me * piece), output.add(me * piece), piece) };
+        for q in (0..n).filter(|&q| q != me) {
+            // SAFETY: piece q of `output` is inside it and ours to write; the source is
+            // piece `me` of rank q's input, which rank q published for n * piece bytes.
+            let r = unsafe { cma::read(peers[q].0, peers[q].1.wrapping_add((me * piece) as u64), output.add(q * piece), piece) }
+                .map_err(|e| of_rank(q, e));
+            self.fail_midway(Kind::Alltoall, r)?;
+        }
         self.sync(None)
     }
 }

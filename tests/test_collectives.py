@@ -928,7 +928,7 @@ def test_collective_default_slots(worlds, backend, collective):
     assert_clean(world.run(COLLECTIVES[collective]), f"{collective} at world size 2 with the default slots")
 
 
-SINGLE_COPY_COLLECTIVES = ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor"]
+SINGLE_COPY_COLLECTIVES = ["all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "all_to_all"]
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -936,8 +936,9 @@ SINGLE_COPY_COLLECTIVES = ["all_reduce", "reduce_scatter_tensor", "all_gather_in
 def test_collective_single_copy(worlds, backend, collective, world_size):
     """The same checks with the single-copy threshold lowered to 1 KiB
     (``FLAGOS_SHM_CMA_MIN_BYTES=1024``; allreduce from 8 KiB): the large size of every dtype
-    takes the ``process_vm_readv`` path, including allreduce, which by default switches only
-    at 2 MiB. Skipped where the kernel forbids cross-process reads."""
+    takes the ``process_vm_readv`` path (broadcast: the non-roots read the root's buffer;
+    all-to-all with equal splits: each rank reads its piece of every peer's input),
+    including allreduce, which by default switches only at 2 MiB. Skipped where the kernel forbids cross-process reads."""
     if backend == "gloo":
         pytest.skip("single-copy is a flagos_shm path")
     world = worlds(world_size, FLAGOS_SHM_CMA_MIN_BYTES="1024")

@@ -46,10 +46,18 @@ def test_thresholds_that_do_not_fit_64_bits_are_refused_by_name():
         assert not plan.valid_plan(dict(ok, **{key: 1 << 64})), key
 
 
+def _rooted_and_alltoall(m, slots=None, single_copy=None):
+    """``m`` with broadcast and all-to-all figures added: by default a tie of the
+    reduce-scatter's slot figures (so the plan keeps their slots)."""
+    slots = slots or m["reduce_scatter"]["slots"]
+    return dict(m, **{op: {"slots": list(slots), "single_copy": list(single_copy or slots)}
+                      for op in ("broadcast", "alltoall")})
+
+
 def _measured(ar_one, ar_two, ar_cma, ag_slots, ag_cma):
-    return {"allreduce": {"one_shot": ar_one, "two_step": ar_two, "single_copy": ar_cma},
-            "allgather": {"slots": ag_slots, "single_copy": ag_cma},
-            "reduce_scatter": {"slots": ag_slots, "single_copy": ag_slots}}
+    return _rooted_and_alltoall({"allreduce": {"one_shot": ar_one, "two_step": ar_two, "single_copy": ar_cma},
+                                 "allgather": {"slots": ag_slots, "single_copy": ag_cma},
+                                 "reduce_scatter": {"slots": ag_slots, "single_copy": ag_slots}})
 
 
 def test_decide_switches_only_on_a_clear_margin_at_every_larger_size():
@@ -90,9 +98,9 @@ def test_decide_on_the_intel_calibration_uses_single_copy_where_it_wins():
     grid = plan.GRID
     slots = [14.0, 45.0, 154.0, 560.0, 2100.0]
     cma = [22.0, 50.0, 107.0, 400.0, 1911.0]
-    m = {"allreduce": {"one_shot": [10.0] * 5, "two_step": [20.0] * 5, "single_copy": [40.0] * 5},
-         "allgather": {"slots": slots, "single_copy": cma},
-         "reduce_scatter": {"slots": slots, "single_copy": slots}}
+    m = _rooted_and_alltoall({"allreduce": {"one_shot": [10.0] * 5, "two_step": [20.0] * 5, "single_copy": [40.0] * 5},
+                              "allgather": {"slots": slots, "single_copy": cma},
+                              "reduce_scatter": {"slots": slots, "single_copy": slots}})
     assert plan.decide(m, grid)["allgather_single_copy_min_bytes"] == grid[2] // 2
     # noise that makes 16 MiB a 5 % loss instead of a 9 % win changes nothing
     m["allgather"]["single_copy"] = cma[:4] + [2205.0]
@@ -106,11 +114,11 @@ def test_decide_on_the_slow_phase_calibration_keeps_two_step_for_large_allreduce
     every size (two-step never won by the margin), and the benchmark's 16 MiB allreduce
     ran in 3.9 ms instead of 2.7; now one-shot stays only below the smallest size."""
     grid = plan.GRID
-    m = {"allreduce": {"one_shot": [36.32, 138.97, 446.24, 2085.61, 8345.33],
-                       "two_step": [35.67, 129.91, 476.92, 1961.29, 7689.23],
-                       "single_copy": [43.91, 149.78, 575.11, 2204.7, 4619.29]},
-         "allgather": {"slots": [10.0] * 5, "single_copy": [20.0] * 5},
-         "reduce_scatter": {"slots": [10.0] * 5, "single_copy": [20.0] * 5}}
+    m = _rooted_and_alltoall({"allreduce": {"one_shot": [36.32, 138.97, 446.24, 2085.61, 8345.33],
+                                            "two_step": [35.67, 129.91, 476.92, 1961.29, 7689.23],
+                                            "single_copy": [43.91, 149.78, 575.11, 2204.7, 4619.29]},
+                              "allgather": {"slots": [10.0] * 5, "single_copy": [20.0] * 5},
+                              "reduce_scatter": {"slots": [10.0] * 5, "single_copy": [20.0] * 5}})
     p = plan.decide(m, grid)
     assert p["one_shot_max_bytes"] == grid[0] // 2
     assert p["allreduce_single_copy_min_bytes"] == grid[4] // 2  # single-copy still won at 16 MiB
@@ -119,13 +127,15 @@ def test_decide_on_the_slow_phase_calibration_keeps_two_step_for_large_allreduce
 #: A calibration in one of the AMD EPYC VM's slow phases: the allreduce figures of
 #: 2026-12-01 23:53 UTC; the allgather / reduce-scatter ones scaled from the phase monitor
 #: of 2026-12-02 01:00 UTC (slots 260-330 us at 1 MiB, single-copy 110-122 us).
-SLOW = {"allreduce": {"one_shot": [36.32, 138.97, 446.24, 2085.61, 8345.33],
-                      "two_step": [35.67, 129.91, 476.92, 1961.29, 7689.23],
-                      "single_copy": [43.91, 149.78, 575.11, 2204.7, 4619.29]},
-        "allgather": {"slots": [25.0, 80.0, 300.0, 1200.0, 4800.0],
-                      "single_copy": [12.0, 35.0, 115.0, 450.0, 1800.0]},
-        "reduce_scatter": {"slots": [30.0, 95.0, 330.0, 1300.0, 5200.0],
-                           "single_copy": [15.0, 45.0, 140.0, 520.0, 2100.0]}}
+SLOW = _rooted_and_alltoall(
+    {"allreduce": {"one_shot": [36.32, 138.97, 446.24, 2085.61, 8345.33],
+                   "two_step": [35.67, 129.91, 476.92, 1961.29, 7689.23],
+                   "single_copy": [43.91, 149.78, 575.11, 2204.7, 4619.29]},
+     "allgather": {"slots": [25.0, 80.0, 300.0, 1200.0, 4800.0],
+                   "single_copy": [12.0, 35.0, 115.0, 450.0, 1800.0]},
+     "reduce_scatter": {"slots": [30.0, 95.0, 330.0, 1300.0, 5200.0],
+                        "single_copy": [15.0, 45.0, 140.0, 520.0, 2100.0]}},
+    slots=[25.0, 80.0, 300.0, 1200.0, 4800.0], single_copy=[12.0, 35.0, 115.0, 450.0, 1800.0])
 
 
 def test_cache_round_trip_ignores_corrupt_and_foreign_entries(tmp_path, monkeypatch):
@@ -303,14 +313,14 @@ def different_plans_mismatch():
     saved = comm.plan
     keys = plan.KEYS
     one_shot = 0 if dist.get_rank() == 0 else 1 << 40  # rank 0 two-step, rank 1 one-shot
-    comm.set_plan(one_shot, *(None for _ in keys[1:]))
+    comm.set_plan(dict({k: None for k in keys}, one_shot_max_bytes=one_shot))
     t = torch.full((64 << 8,), float(dist.get_rank() + 1))
     try:
         comm.allreduce(t.data_ptr(), t.numel() * 4, t.numel(), "float32", 0)
         error = None
     except ValueError as exc:
         error = str(exc)
-    comm.set_plan(*(saved[k] for k in keys))
+    comm.set_plan(saved)
     t.fill_(dist.get_rank() + 1)
     dist.all_reduce(t)
     return error, bool(torch.all(t == 3))
@@ -416,3 +426,45 @@ def test_a_malformed_request_on_one_rank_raises_on_every_rank_at_once(bad_rank, 
         assert res["error"] and res["error"].startswith("ValueError") and var in res["error"], (rank, res)
         assert f"group rank {bad_rank}" in res["error"], (rank, res)
         assert res["s"] < 20, (rank, res)
+
+
+def test_set_plan_takes_exactly_the_core_s_keys(tmp_path):
+    """``Communicator.set_plan`` takes one dict keyed by ``_core.PLAN_KEYS`` (the core's one
+    list, which :data:`plan.KEYS` is); a missing or unknown key raises ValueError naming
+    it and leaves the plan in use unchanged."""
+    from flagos_shm import _core
+
+    assert plan.KEYS == tuple(_core.PLAN_KEYS) and set(plan.FALLBACK) == set(plan.KEYS)
+    assert plan.SINGLE_COPY_OPS == ("allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall")
+    comm = _core.Communicator(_core.create_segment(str(tmp_path), 1, 1 << 16), 0, 1, 5.0)
+    try:
+        assert set(comm.plan) == set(plan.KEYS)
+        comm.set_plan(dict(plan.FALLBACK, one_shot_max_bytes=12345))
+        assert comm.plan["one_shot_max_bytes"] == 12345
+        missing = {k: v for k, v in plan.FALLBACK.items() if k != "alltoall_single_copy_min_bytes"}
+        for bad, named in ((missing, "alltoall_single_copy_min_bytes"),
+                           (dict(plan.FALLBACK, gather_single_copy_min_bytes=1), "gather_single_copy_min_bytes")):
+            with pytest.raises(ValueError, match=named):
+                comm.set_plan(dict(bad, one_shot_max_bytes=1))
+            assert comm.plan["one_shot_max_bytes"] == 12345
+        for value in (-1, 1 << 64):
+            with pytest.raises(ValueError, match=f"broadcast_single_copy_min_bytes={value}"):
+                comm.set_plan(dict(plan.FALLBACK, broadcast_single_copy_min_bytes=value))
+        with pytest.raises(TypeError):
+            comm.set_plan(dict(plan.FALLBACK, broadcast_single_copy_min_bytes="1K"))
+        assert comm.plan["one_shot_max_bytes"] == 12345
+    finally:
+        comm.close()
+
+
+def test_decide_takes_broadcast_and_alltoall_from_their_own_figures():
+    """Broadcast and all-to-all get their single-copy thresholds from their own figures
+    (each decided as allgather's: ``_switch``), independently of each other."""
+    grid = plan.GRID
+    slots = [18.0, 45.0, 131.0, 500.0, 1400.0]
+    m = _measured([10.0] * 5, [20.0] * 5, [40.0] * 5, slots, slots)
+    m["broadcast"]["single_copy"] = [20.0, 30.0, 65.0, 250.0, 1100.0]  # wins from 256 KiB
+    m["alltoall"]["single_copy"] = [s * 1.3 for s in slots]  # always slower
+    p = plan.decide(m, grid)
+    assert p["broadcast_single_copy_min_bytes"] == grid[1] // 2
+    assert p["alltoall_single_copy_min_bytes"] is None and p["allgather_single_copy_min_bytes"] is None

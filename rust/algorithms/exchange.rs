@@ -28,6 +28,11 @@ impl Communicator {
             // SAFETY: forwarded from this function's contract.
             return unsafe { self.reduce_scatter_single_copy(input, output, count, red, &d) };
         }
+        if red.is_none() && self.single_copy(Kind::Alltoall, self.n * count * es) {
+            d.route(Transfer::SingleCopy, count * es);
+            // SAFETY: forwarded from this function's contract.
+            return unsafe { self.alltoall_single_copy(input, output, count, es, &d) };
+        }
         let per = self.seg.slot_bytes() / es / self.n;
         d.route(Transfer::Slots, per * es);
         let mut srcs = vec![std::ptr::null::<u8>(); self.n];

@@ -19,6 +19,11 @@ impl Communicator {
         self.check_root(root)?;
         let mut d = self.begin(Kind::Broadcast, dtype, None, count, root)?;
         let es = dtype.size();
+        if self.single_copy(Kind::Broadcast, count * es) {
+            d.route(Transfer::SingleCopy, count * es);
+            // SAFETY: forwarded from this function's contract.
+            return unsafe { self.broadcast_single_copy(buf, count * es, root, &d) };
+        }
         let per = self.seg.slot_bytes() / es;
         d.route(Transfer::Slots, per * es);
         for ch in chunks(count, per) {

@@ -31,8 +31,8 @@ cache's runs afresh), ``fallback`` (the core's built-in guess, ``_core`` :data:`
 suite uses, for speed), or ``key=value`` pairs separated by commas with the keys of
 :data:`KEYS` (short names without ``_min_bytes``/``_bytes`` allowed), values in bytes with
 optional K/M/G suffix or ``never``; missing keys take the fallback's values.
-``FLAGOS_SHM_CMA_MIN_BYTES`` still overrides the single-copy thresholds (allgather and
-reduce-scatter from it, allreduce from 8x it) and ``FLAGOS_SHM_CMA=0`` turns single-copy off.
+``FLAGOS_SHM_CMA_MIN_BYTES`` still overrides the single-copy thresholds (allgather,
+reduce-scatter, broadcast and all-to-all from it, allreduce from 8x it) and ``FLAGOS_SHM_CMA=0`` turns single-copy off.
 The plan is logged at DEBUG level on logger ``flagos_shm``.
 """
 
@@ -50,18 +50,20 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
+from .. import _core
 from . import config, options, rendezvous
 
 _log = logging.getLogger("flagos_shm")
 
-KEYS = ("one_shot_max_bytes", "allreduce_single_copy_min_bytes", "allgather_single_copy_min_bytes",
-        "reduce_scatter_single_copy_min_bytes")
+#: The plan's keys (``rust/plan.rs``, ``KEYS``): the one-shot allreduce limit, then one
+#: single-copy threshold per collective that has a single-copy path.
+KEYS: Tuple[str, ...] = tuple(_core.PLAN_KEYS)
 SINGLE_COPY_KEYS = KEYS[1:]
-#: The core's plan before a measured one is set (rust/plan.rs, Plan::FALLBACK).
-FALLBACK: Dict[str, Optional[int]] = {"one_shot_max_bytes": 256 << 10,
-                                      "allreduce_single_copy_min_bytes": 2 << 20,
-                                      "allgather_single_copy_min_bytes": 256 << 10,
-                                      "reduce_scatter_single_copy_min_bytes": 256 << 10}
+#: The collectives with a single-copy path, in :data:`SINGLE_COPY_KEYS`' order
+#: (``allreduce``, ``allgather``, ``reduce_scatter``, ``broadcast``, ``alltoall``).
+SINGLE_COPY_OPS: Tuple[str, ...] = tuple(k[:-len("_single_copy_min_bytes")] for k in SINGLE_COPY_KEYS)
+#: The core's plan before a measured one is set (rust/plan.rs, ``Plan::FALLBACK``).
+FALLBACK: Dict[str, Optional[int]] = dict(_core.PLAN_FALLBACK)
 #: Sizes S (bytes) the calibration measures (larger messages follow the largest): a 4x
 #: grid, so a threshold falls at the geometric middle (2x) between two measured sizes.
 GRID = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
@@ -80,8 +82,8 @@ ROUNDS = 5  # timed rounds (each runs every variant of every case once, alternat
 BURST = 2
 #: 2: bursts, and 16 MiB in the grid; 3: the one-shot rule of decide(); 4: several runs,
 #: rewritten allgather input; 5: the single-copy rule of _switch() (a tie at a larger size
-#: no longer vetoes a clear win).
-CACHE_SCHEMA = 5
+#: no longer vetoes a clear win); 6: broadcast and all-to-all measured (single-copy paths).
+CACHE_SCHEMA = 6
 #: A machine's plan is settled after this many calibrations, each taken at the first group
 #: created at least :data:`RUN_GAP_S` after the previous one, their figures merged
 #: (:func:`merge`). One calibration can fall into one of the VM's slow phases: on the AMD
@@ -144,7 +146,7 @@ def _valid_runs(runs) -> bool:
     def figures(v):
         return isinstance(v, list) and len(v) == len(GRID) and all(
             type(x) in (int, float) and 0 < x < float("inf") for x in v)
-    need = {"allreduce": ("one_shot", "two_step"), "allgather": ("slots",), "reduce_scatter": ("slots",)}
+    need = {"allreduce": ("one_shot", "two_step"), **{op: ("slots",) for op in SINGLE_COPY_OPS[1:]}}
     if not isinstance(runs, list) or not 0 < len(runs) <= SETTLE_RUNS:
         return False
     for run in runs:
@@ -248,20 +250,20 @@ def _variants(single_copy: bool) -> Dict[str, List[Tuple[str, dict]]]:
     big = 1 << 62
     out = {"allreduce": [("one_shot", dict(slots, one_shot_max_bytes=big)),
                          ("two_step", dict(slots, one_shot_max_bytes=0))],
-           "allgather": [("slots", slots)], "reduce_scatter": [("slots", slots)]}
+           **{op: [("slots", slots)] for op in SINGLE_COPY_OPS[1:]}}
     if single_copy:
-        out["allreduce"].append(("single_copy", dict(slots, allreduce_single_copy_min_bytes=0)))
-        out["allgather"].append(("single_copy", dict(slots, allgather_single_copy_min_bytes=0)))
-        out["reduce_scatter"].append(("single_copy", dict(slots, reduce_scatter_single_copy_min_bytes=0)))
+        for op, key in zip(SINGLE_COPY_OPS, SINGLE_COPY_KEYS):
+            out[op].append(("single_copy", dict(slots, **{key: 0})))
     return out
 
 
 def _set(comm, plan: dict) -> None:
-    comm.set_plan(*(plan[k] for k in KEYS))
+    comm.set_plan({k: plan[k] for k in KEYS})
 
 
 def calibrate(comm, grid=GRID, rounds: int = ROUNDS, burst: int = BURST) -> Dict[str, Dict[str, List[float]]]:
-    """Time every variant of allreduce, allgather and reduce-scatter (float32 SUM) at each
+    """Time every variant of allreduce, allgather, reduce-scatter, broadcast (root 0) and
+    all-to-all (float32, SUM where it reduces) at each
     size of ``grid`` on ``comm``, all ranks together: one warm-up round, then ``rounds``
     rounds alternating the variants, each variant run ``burst`` times back to back with
     the last call timed (see :data:`BURST`). Returns ``{op: {variant: [us per size]}}``: each
@@ -294,6 +296,7 @@ def calibrate(comm, grid=GRID, rounds: int = ROUNDS, burst: int = BURST) -> Dict
     both_stores = getattr(comm, "stream_mode", None) == "auto"
     top = max(grid)
     buf = torch.zeros(top // 4, dtype=torch.float32)
+    out = torch.zeros_like(buf)  # the all-to-all's output
     half = torch.zeros(max(1, top // 4 // n), dtype=torch.float32)
     fresh = torch.ones_like(half)
     cases = []  # (op, variant, size index, plan, call, pre, kind of store)
@@ -304,10 +307,14 @@ def calibrate(comm, grid=GRID, rounds: int = ROUNDS, burst: int = BURST) -> Dict
         ag = lambda p=per: comm.allgather(half.data_ptr(), p * 4, buf.data_ptr(), p * 4 * n, p, "float32")  # noqa: E731
         rs = lambda p=per: comm.reduce_scatter(buf.data_ptr(), p * 4 * n, half.data_ptr(), p * 4, p,  # noqa: E731
                                                "float32", 0)
+        bc = lambda c=count: comm.broadcast(buf.data_ptr(), c * 4, c, "float32", 0)  # noqa: E731
+        a2a = lambda p=per: comm.alltoall(buf.data_ptr(), p * 4 * n, out.data_ptr(), p * 4 * n, p,  # noqa: E731
+                                          "float32")
         # The allreduce writes its input (in place) and the allgather writes the
         # reduce-scatter's; the allgather's own input is rewritten here.
         rewrite = lambda p=per: _core.copy_bytes(half.data_ptr(), fresh.data_ptr(), p * 4)  # noqa: E731
-        for op, call, pre in (("allreduce", ar, None), ("allgather", ag, rewrite), ("reduce_scatter", rs, None)):
+        for op, call, pre in (("allreduce", ar, None), ("allgather", ag, rewrite), ("reduce_scatter", rs, None),
+                              ("broadcast", bc, None), ("alltoall", a2a, None)):
             for name, plan in variants[op]:
                 # slot variants with each kind of store (the streamer picks the faster at run
                 # time); single-copy transfers do not touch the slots
@@ -397,9 +404,8 @@ def decide(measured: Dict[str, Dict[str, List[float]]], grid=GRID) -> dict:
     one_shot_max = (1 << 62) if keep is None else keep
     slots = [o if s <= one_shot_max else t for s, o, t in zip(grid, ar["one_shot"], ar["two_step"])]
     plan = {"one_shot_max_bytes": one_shot_max}
-    for op, key, base in (("allreduce", KEYS[1], slots),
-                          ("allgather", KEYS[2], measured["allgather"]["slots"]),
-                          ("reduce_scatter", KEYS[3], measured["reduce_scatter"]["slots"])):
+    for op, key in zip(SINGLE_COPY_OPS, SINGLE_COPY_KEYS):
+        base = slots if op == "allreduce" else measured[op]["slots"]
         alt = measured[op].get("single_copy")
         plan[key] = None if alt is None else _switch(base, alt, grid)
     return plan
@@ -543,5 +549,4 @@ def describe(plan: dict) -> str:
         return f"{v} B"
     one = plan["one_shot_max_bytes"]
     return (f"allreduce one-shot up to {'any size' if one >= 1 << 60 else b(one)}, two-step above; single-copy "
-            f"from: allreduce {b(plan[KEYS[1]])}, allgather {b(plan[KEYS[2]])}, "
-            f"reduce_scatter {b(plan[KEYS[3]])}")
+            "from: " + ", ".join(f"{op} {b(plan[k])}" for op, k in zip(SINGLE_COPY_OPS, SINGLE_COPY_KEYS)))
