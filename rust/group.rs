@@ -167,8 +167,8 @@ impl Communicator {
     /// [`cma`]; allreduce and reduce-scatter: [`Self::plan`]), or `None` when the group
     /// cannot use them or the plan never does.
     pub fn single_copy_min_bytes(&self) -> Option<usize> {
-        let p = self.plan();
-        (p.allgather_single_copy != NEVER).then_some(p.allgather_single_copy)
+        let b = self.plan().single_copy[1];
+        (b.min != NEVER).then_some(b.min)
     }
 
     /// Sets the legacy single-copy threshold (`None`: never use single-copy):
@@ -216,16 +216,15 @@ impl Communicator {
 
     /// Whether a call of `kind` moving `bytes` (as the plan counts them) uses single-copy.
     pub(crate) fn single_copy(&self, kind: Kind, bytes: usize) -> bool {
-        let p = &self.plan;
-        let min = match kind {
-            Kind::Allreduce => p.allreduce_single_copy,
-            Kind::Allgather => p.allgather_single_copy,
-            Kind::ReduceScatter => p.reduce_scatter_single_copy,
-            Kind::Broadcast => p.broadcast_single_copy,
-            Kind::Alltoall => p.alltoall_single_copy,
-            _ => NEVER,
+        let band = match kind {
+            Kind::Allreduce => self.plan.single_copy[0],
+            Kind::Allgather => self.plan.single_copy[1],
+            Kind::ReduceScatter => self.plan.single_copy[2],
+            Kind::Broadcast => self.plan.single_copy[3],
+            Kind::Alltoall => self.plan.single_copy[4],
+            _ => return false,
         };
-        self.cma_ok && min != NEVER && bytes >= min
+        self.cma_ok && band.contains(bytes)
     }
 
     /// Whether an allreduce of `bytes` takes the one-shot slot algorithm.

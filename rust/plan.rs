@@ -18,96 +18,117 @@
 /// "Never": a threshold no message reaches.
 pub const NEVER: usize = usize::MAX;
 
+/// Where a collective takes its single-copy path: messages of `min <= S < max` bytes
+/// ([`NEVER`] as `min`: never; as `max`: no upper bound). A band rather than one
+/// threshold, because single-copy can win at middle sizes only: on the Intel Xeon 2-vCPU
+/// VM a single-copy broadcast took 10 us at 256 KiB against 16 through the slots, and 430
+/// against 307 at 4 MiB (`docs/benchmark.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Band {
+    pub min: usize,
+    pub max: usize,
+}
+
+impl Band {
+    /// From `min` bytes up.
+    pub const fn from(min: usize) -> Band {
+        Band { min, max: NEVER }
+    }
+
+    /// Whether `bytes` lies in the band.
+    pub fn contains(&self, bytes: usize) -> bool {
+        self.min != NEVER && bytes >= self.min && (self.max == NEVER || bytes < self.max)
+    }
+}
+
+/// The collectives with a single-copy path, in [`Plan::single_copy`]'s order.
+pub const SINGLE_COPY_OPS: [&str; 5] = ["allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall"];
+
 /// Message-size thresholds in bytes (S as the collective's checked face counts it: the
-/// allreduce buffer, the allgather's whole output, the reduce-scatter's whole input).
+/// allreduce and broadcast buffer, the allgather's whole output, the reduce-scatter's and
+/// the all-to-all's whole input).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Plan {
     /// Allreduce messages up to this many bytes use the one-shot slot algorithm (every
     /// rank reduces every chunk); larger ones the two-step one.
     pub one_shot_max: usize,
-    /// Allreduce messages of at least this many bytes use single-copy transfers (when the
-    /// group can: see `cma`); [`NEVER`] to keep them on the slots.
-    pub allreduce_single_copy: usize,
-    /// The same for allgather (whole output).
-    pub allgather_single_copy: usize,
-    /// The same for reduce-scatter (whole input).
-    pub reduce_scatter_single_copy: usize,
-    /// The same for broadcast (the buffer): the non-roots read the root's buffer.
-    pub broadcast_single_copy: usize,
-    /// The same for all-to-all with equal pieces (the whole input): each rank reads its
-    /// piece of every peer's input.
-    pub alltoall_single_copy: usize,
+    /// Per collective of [`SINGLE_COPY_OPS`], the sizes at which it uses single-copy
+    /// transfers (when the group can: see `cma`). Broadcast: the non-roots read the root's
+    /// buffer; all-to-all (equal pieces): each rank reads its piece of every peer's input.
+    pub single_copy: [Band; 5],
 }
 
 /// The plan's thresholds by name, as the binding, `FLAGOS_SHM_PLAN` and the plan cache
 /// (`flagos_shm.backend.plan`, which takes them from `_core.PLAN_KEYS`) spell them, in
-/// [`Plan::values`]' order. The first is the one-shot allreduce limit; every other one is
-/// a single-copy threshold, named `<collective>_single_copy_min_bytes`.
-pub const KEYS: [&str; 6] = [
+/// [`Plan::values`]' order: the one-shot allreduce limit, then per collective of
+/// [`SINGLE_COPY_OPS`] `<op>_single_copy_min_bytes` and `<op>_single_copy_max_bytes`.
+pub const KEYS: [&str; 11] = [
     "one_shot_max_bytes",
     "allreduce_single_copy_min_bytes",
+    "allreduce_single_copy_max_bytes",
     "allgather_single_copy_min_bytes",
+    "allgather_single_copy_max_bytes",
     "reduce_scatter_single_copy_min_bytes",
+    "reduce_scatter_single_copy_max_bytes",
     "broadcast_single_copy_min_bytes",
+    "broadcast_single_copy_max_bytes",
     "alltoall_single_copy_min_bytes",
+    "alltoall_single_copy_max_bytes",
 ];
 
 impl Plan {
     /// The plan before a measured one is set: allreduce one-shot up to 256 KiB, single-copy
     /// allgather and reduce-scatter from 256 KiB and allreduce from 2 MiB (tuned on an
     /// Intel Xeon 2-vCPU VM; `python -m flagos_shm.bench` there, `FLAGOS_SHM_CMA=0` and `1`
-    /// alternately: allgather 139 / 81 us at 1 MiB, allreduce 2761 / 2192 us at 16 MiB).
+    /// alternately: allgather 139 / 81 us at 1 MiB, allreduce 2761 / 2192 us at 16 MiB),
+    /// broadcast from 128 KiB below 2 MiB and all-to-all from 32 KiB (two calibrations on
+    /// an Intel Xeon 2-vCPU VM, Sapphire Rapids class, 2026-12-04: single-copy broadcast
+    /// 52.7 against 70.0 us through the slots at 1 MiB and 430 against 307 at 4 MiB;
+    /// all-to-all 9.1 against 19.2 at 64 KiB and 1353 against 1778 at 16 MiB).
     pub const FALLBACK: Plan = Plan {
         one_shot_max: 256 * 1024,
-        allreduce_single_copy: 2 * 1024 * 1024,
-        allgather_single_copy: 256 * 1024,
-        reduce_scatter_single_copy: 256 * 1024,
-        broadcast_single_copy: 256 * 1024,
-        alltoall_single_copy: 256 * 1024,
+        single_copy: [
+            Band::from(2 * 1024 * 1024),
+            Band::from(256 * 1024),
+            Band::from(256 * 1024),
+            Band { min: 128 * 1024, max: 2 * 1024 * 1024 },
+            Band::from(32 * 1024),
+        ],
     };
 
+    /// The single-copy band of the collective `kind` names, if it has one.
+    pub fn band(&self, op: &str) -> Option<Band> {
+        SINGLE_COPY_OPS.iter().position(|o| *o == op).map(|i| self.single_copy[i])
+    }
+
     /// The thresholds in [`KEYS`]' order.
-    pub fn values(&self) -> [usize; 6] {
-        [
-            self.one_shot_max,
-            self.allreduce_single_copy,
-            self.allgather_single_copy,
-            self.reduce_scatter_single_copy,
-            self.broadcast_single_copy,
-            self.alltoall_single_copy,
-        ]
+    pub fn values(&self) -> [usize; 11] {
+        let mut v = [self.one_shot_max; 11];
+        for (i, b) in self.single_copy.iter().enumerate() {
+            v[1 + 2 * i] = b.min;
+            v[2 + 2 * i] = b.max;
+        }
+        v
     }
 
     /// The plan whose thresholds are `v`, in [`KEYS`]' order.
-    pub fn from_values(v: [usize; 6]) -> Plan {
-        Plan {
-            one_shot_max: v[0],
-            allreduce_single_copy: v[1],
-            allgather_single_copy: v[2],
-            reduce_scatter_single_copy: v[3],
-            broadcast_single_copy: v[4],
-            alltoall_single_copy: v[5],
-        }
+    pub fn from_values(v: [usize; 11]) -> Plan {
+        Plan { one_shot_max: v[0], single_copy: std::array::from_fn(|i| Band { min: v[1 + 2 * i], max: v[2 + 2 * i] }) }
     }
 
-    /// The plan with every single-copy threshold at [`NEVER`] (what a group that cannot
-    /// read its peers' memory runs).
+    /// The plan with every single-copy band empty (what a group that cannot read its
+    /// peers' memory runs).
     pub fn without_single_copy(self) -> Plan {
         self.with_single_copy_min(NEVER)
     }
 
     /// The plan with the legacy single-copy threshold `min` (`FLAGOS_SHM_CMA_MIN_BYTES`,
-    /// `set_single_copy_min_bytes`): every single-copy collective from `min` bytes but
+    /// `set_single_copy_min_bytes`): every single-copy collective from `min` bytes up but
     /// allreduce, from 8 x `min`.
     pub fn with_single_copy_min(self, min: usize) -> Plan {
-        Plan {
-            allreduce_single_copy: min.saturating_mul(8),
-            allgather_single_copy: min,
-            reduce_scatter_single_copy: min,
-            broadcast_single_copy: min,
-            alltoall_single_copy: min,
-            ..self
-        }
+        let mut single_copy = [Band::from(min); 5];
+        single_copy[0] = Band::from(min.saturating_mul(8));
+        Plan { single_copy, ..self }
     }
 }
 
@@ -124,18 +145,32 @@ mod tests {
     #[test]
     fn legacy_threshold_scales_allreduce_and_saturates() {
         let p = Plan::FALLBACK.with_single_copy_min(1024);
-        assert_eq!((p.allreduce_single_copy, p.allgather_single_copy, p.reduce_scatter_single_copy), (8192, 1024, 1024));
+        assert_eq!(p.single_copy.map(|b| b.min), [8192, 1024, 1024, 1024, 1024]);
+        assert!(p.single_copy.iter().all(|b| b.max == NEVER));
         assert_eq!(p.one_shot_max, Plan::FALLBACK.one_shot_max);
-        assert_eq!(Plan::FALLBACK.with_single_copy_min(NEVER).allreduce_single_copy, NEVER);
-        assert_eq!((p.broadcast_single_copy, p.alltoall_single_copy), (1024, 1024));
-        assert_eq!(Plan::FALLBACK.with_single_copy_min(4096).without_single_copy().values()[1..], [NEVER; 5]);
+        assert_eq!(Plan::FALLBACK.with_single_copy_min(NEVER).single_copy[0].min, NEVER);
+        assert!(Plan::FALLBACK.with_single_copy_min(4096).without_single_copy().single_copy.iter().all(|b| !b.contains(1 << 20)));
     }
 
     #[test]
     fn values_follow_the_keys_and_round_trip() {
-        let p = Plan::from_values([1, 2, 3, 4, 5, 6]);
-        assert_eq!(p.values(), [1, 2, 3, 4, 5, 6]);
-        assert_eq!((p.one_shot_max, p.reduce_scatter_single_copy, p.alltoall_single_copy), (1, 4, 6));
-        assert!(KEYS[1..].iter().all(|k| k.ends_with("_single_copy_min_bytes")));
+        let v = std::array::from_fn(|i| i + 1);
+        let p = Plan::from_values(v);
+        assert_eq!(p.values(), v);
+        assert_eq!((p.one_shot_max, p.band("reduce_scatter"), p.band("gather")), (1, Some(Band { min: 6, max: 7 }), None));
+        for (i, op) in SINGLE_COPY_OPS.iter().enumerate() {
+            assert_eq!(
+                (KEYS[1 + 2 * i], KEYS[2 + 2 * i]),
+                (&*format!("{op}_single_copy_min_bytes"), &*format!("{op}_single_copy_max_bytes"))
+            );
+        }
+    }
+
+    #[test]
+    fn a_band_holds_min_up_to_but_not_max() {
+        let b = Band { min: 64, max: 1024 };
+        assert_eq!([0, 63, 64, 1023, 1024].map(|x| b.contains(x)), [false, false, true, true, false]);
+        assert!(Band::from(0).contains(usize::MAX - 1) && !Band::from(NEVER).contains(usize::MAX));
+        assert!(!Band { min: NEVER, max: NEVER }.contains(NEVER));
     }
 }

@@ -938,7 +938,8 @@ def test_collective_single_copy(worlds, backend, collective, world_size):
     (``FLAGOS_SHM_CMA_MIN_BYTES=1024``; allreduce from 8 KiB): the large size of every dtype
     takes the ``process_vm_readv`` path (broadcast: the non-roots read the root's buffer;
     all-to-all with equal splits: each rank reads its piece of every peer's input),
-    including allreduce, which by default switches only at 2 MiB. Skipped where the kernel forbids cross-process reads."""
+    including allreduce, which by default switches only at 2 MiB. Skipped where the kernel
+    forbids cross-process reads."""
     if backend == "gloo":
         pytest.skip("single-copy is a flagos_shm path")
     world = worlds(world_size, FLAGOS_SHM_CMA_MIN_BYTES="1024")

@@ -71,9 +71,10 @@ def test_decide_switches_only_on_a_clear_margin_at_every_larger_size():
     assert p["one_shot_max_bytes"] == GRID[2] // 2
     assert p["allreduce_single_copy_min_bytes"] == GRID[2] // 2
     assert p["allgather_single_copy_min_bytes"] == GRID[2] // 2
-    # ... but clearly slower (by more than the margin) at 4 MiB: never
+    assert p["allgather_single_copy_max_bytes"] is None  # a tie at 4 MiB does not end it
+    # ... but clearly slower (by more than the margin) at 4 MiB: a band, 512 KiB to 2 MiB
     p = plan.decide(_measured(base, two, [50.0, 50.0, 90.0, 300.0], base, [20, 50, 100, 800]), GRID)
-    assert p["allgather_single_copy_min_bytes"] is None
+    assert (p["allgather_single_copy_min_bytes"], p["allgather_single_copy_max_bytes"]) == (GRID[2] // 2, GRID[3] // 2)
     assert p["reduce_scatter_single_copy_min_bytes"] is None  # equal times: no clear win
     # within the margin (10 % apart) either way: the defaults stay, two-step and slots
     near = [b * 0.9 for b in base]
@@ -176,7 +177,12 @@ def test_merge_keeps_each_case_s_fastest_run():
     assert m["allreduce"]["one_shot"] == fast["allreduce"]["one_shot"]
     # the slow phase alone chooses single-copy from 32 KiB; merged with a fast run, slots
     assert plan.decide(SLOW)["allgather_single_copy_min_bytes"] == plan.GRID[0] // 2
-    assert plan.decide(m)["allgather_single_copy_min_bytes"] is None
+    # merged with a fast run: slots, but at 64 KiB, where the fast run's slot figure was
+    # disturbed and the slow run's is the fastest left, a band up to the loss at 256 KiB
+    merged = plan.decide(m)
+    assert (merged["allgather_single_copy_min_bytes"], merged["allgather_single_copy_max_bytes"]) == \
+        (plan.GRID[0] // 2, plan.GRID[1] // 2)
+    assert merged["reduce_scatter_single_copy_min_bytes"] is None
     # a variant missing from one run is left out (decide then keeps the slots)
     no_copy = {op: {k: v for k, v in d.items() if k != "single_copy"} for op, d in fast.items()}
     assert "single_copy" not in plan.merge([SLOW, no_copy])["allgather"]
@@ -459,12 +465,28 @@ def test_set_plan_takes_exactly_the_core_s_keys(tmp_path):
 
 def test_decide_takes_broadcast_and_alltoall_from_their_own_figures():
     """Broadcast and all-to-all get their single-copy thresholds from their own figures
-    (each decided as allgather's: ``_switch``), independently of each other."""
+    (each decided as allgather's: ``_band``), independently of each other. The broadcast
+    figures are the Intel Xeon VM's calibration of 2026-12-04: single-copy ahead up to 1 MiB,
+    clearly behind from 4 MiB, so it runs in a band."""
     grid = plan.GRID
     slots = [18.0, 45.0, 131.0, 500.0, 1400.0]
     m = _measured([10.0] * 5, [20.0] * 5, [40.0] * 5, slots, slots)
-    m["broadcast"]["single_copy"] = [20.0, 30.0, 65.0, 250.0, 1100.0]  # wins from 256 KiB
+    m["broadcast"] = {"slots": [5.01, 16.47, 70.0, 307.23, 1200.25],
+                      "single_copy": [4.02, 10.05, 52.65, 429.62, 1709.59]}
     m["alltoall"]["single_copy"] = [s * 1.3 for s in slots]  # always slower
     p = plan.decide(m, grid)
-    assert p["broadcast_single_copy_min_bytes"] == grid[1] // 2
+    assert (p["broadcast_single_copy_min_bytes"], p["broadcast_single_copy_max_bytes"]) == (grid[0] // 2, grid[3] // 2)
     assert p["alltoall_single_copy_min_bytes"] is None and p["allgather_single_copy_min_bytes"] is None
+    assert "broadcast 32 KiB below 2 MiB" in plan.describe(p) and "alltoall never" in plan.describe(p)
+
+
+def test_band_takes_the_run_with_the_most_clear_wins():
+    """A clear loss cuts the grid; the band lies in the run with the most clear wins (the
+    larger sizes on a tie), from its first clear win to the loss after it."""
+    grid = (1, 4, 16, 64, 256, 1024)
+    base = [100.0] * 6
+    assert plan._band(base, [50.0, 200, 50, 50, 100, 50], grid) == (8, None)  # one noisy win at 1 does not pin it
+    assert plan._band(base, [50.0, 50, 200, 50, 200, 100], grid) == (0, 8)  # two wins before the loss at 16
+    assert plan._band(base, [50.0, 200, 50, 200, 100, 100], grid) == (8, 32)  # equal runs: the larger sizes
+    assert plan._band(base, [100.0, 110, 90, 200, 100, 100], grid) == (None, None)  # ties and losses only
+    assert plan._band(base, [50.0] * 6, grid) == (0, None)

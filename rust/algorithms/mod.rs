@@ -72,7 +72,7 @@ pub const ONE_SHOT_MAX_BYTES: usize = Plan::FALLBACK.one_shot_max;
 
 /// The fallback plan's single-copy threshold of allgather and reduce-scatter
 /// ([`Plan::FALLBACK`]); a group measures its own (`crate::plan`).
-pub const CMA_MIN_BYTES: usize = Plan::FALLBACK.allgather_single_copy;
+pub const CMA_MIN_BYTES: usize = Plan::FALLBACK.single_copy[1].min;
 
 /// Bytes per peer read at a time by the single-copy reductions (64 KiB to 1 MiB measured
 /// within noise of each other).

@@ -790,6 +790,36 @@ fn ranks_that_would_take_different_transfer_paths_raise_mismatch_not_wrong_data(
     }
 }
 
+#[test]
+fn a_single_copy_band_ends_where_the_plan_says() {
+    // Both ranks take single-copy broadcasts from 1 byte, rank 0 only below 4 KiB (a band,
+    // `plan::Band`), rank 1 without an end: a 1 KiB broadcast runs single-copy on both and
+    // delivers, an 8 KiB one would move differently and raises Mismatch on both ranks.
+    use flagos_shm::plan::{Band, NEVER};
+    let outs = with_group(2, SLOT, |rank, c| {
+        let available = c.single_copy_min_bytes().is_some();
+        let mut plan = c.plan();
+        plan.single_copy[3] = Band { min: 1, max: if rank == 0 { 4096 } else { NEVER } };
+        c.set_plan(plan);
+        let mut small = vec![rank as f32 + 1.0; 256];
+        let small_ok = c.broadcast(Buf::from_elems_mut(&mut small), 256, DType::F32, 0).map(|()| small.iter().all(|&v| v == 1.0));
+        let mut big = vec![rank as f32 + 1.0; 2048];
+        let big_r = c.broadcast(Buf::from_elems_mut(&mut big), 2048, DType::F32, 0);
+        (available, small_ok, big_r)
+    });
+    if !outs[0].0 {
+        eprintln!("single-copy transfers unavailable here; nothing to disagree on");
+        return;
+    }
+    for (rank, (_, small_ok, big_r)) in outs.into_iter().enumerate() {
+        assert_eq!(small_ok.ok(), Some(true), "rank {rank}: the 1 KiB broadcast inside both bands");
+        match big_r {
+            Err(Error::Mismatch(m)) => assert!(m.contains("single-copy") && m.contains("via slots"), "rank {rank}: {m}"),
+            other => panic!("rank {rank}: expected Mismatch for the 8 KiB broadcast, got {other:?}"),
+        }
+    }
+}
+
 /// Closing with queued jobs that the peer never issues does not wait for their timeouts:
 /// the running one is cut short by the abort, the queued ones fail without running.
 #[test]

@@ -58,7 +58,10 @@ _log = logging.getLogger("flagos_shm")
 #: The plan's keys (``rust/plan.rs``, ``KEYS``): the one-shot allreduce limit, then one
 #: single-copy threshold per collective that has a single-copy path.
 KEYS: Tuple[str, ...] = tuple(_core.PLAN_KEYS)
-SINGLE_COPY_KEYS = KEYS[1:]
+#: Per collective with a single-copy path, where the band in which it takes that path
+#: starts (None: never) and where it ends (None: no end); ``rust/plan.rs``, ``Band``.
+SINGLE_COPY_KEYS = tuple(k for k in KEYS if k.endswith("_single_copy_min_bytes"))
+SINGLE_COPY_MAX_KEYS = tuple(k for k in KEYS if k.endswith("_single_copy_max_bytes"))
 #: The collectives with a single-copy path, in :data:`SINGLE_COPY_KEYS`' order
 #: (``allreduce``, ``allgather``, ``reduce_scatter``, ``broadcast``, ``alltoall``).
 SINGLE_COPY_OPS: Tuple[str, ...] = tuple(k[:-len("_single_copy_min_bytes")] for k in SINGLE_COPY_KEYS)
@@ -67,8 +70,8 @@ FALLBACK: Dict[str, Optional[int]] = dict(_core.PLAN_FALLBACK)
 #: Sizes S (bytes) the calibration measures (larger messages follow the largest): a 4x
 #: grid, so a threshold falls at the geometric middle (2x) between two measured sizes.
 GRID = (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20)
-#: A single-copy path is chosen from the smallest size where it is faster than the slots by
-#: this factor, above every size where it is slower by more than that (:func:`_switch`),
+#: A single-copy path is chosen where it is faster than the slots by this factor, up to a
+#: size where it is slower by more than that (:func:`_band`),
 #: and one-shot allreduce is kept only where it is faster than two-step by this factor at
 #: its size and every smaller one: near a boundary the default (slots; two-step) stays, so
 #: noise does not flip plans.
@@ -82,7 +85,8 @@ ROUNDS = 5  # timed rounds (each runs every variant of every case once, alternat
 BURST = 2
 #: 2: bursts, and 16 MiB in the grid; 3: the one-shot rule of decide(); 4: several runs,
 #: rewritten allgather input; 5: the single-copy rule of _switch() (a tie at a larger size
-#: no longer vetoes a clear win); 6: broadcast and all-to-all measured (single-copy paths).
+#: no longer vetoes a clear win); 6: broadcast and all-to-all measured (single-copy paths),
+#: single-copy bands (a min and a max per collective).
 CACHE_SCHEMA = 6
 #: A machine's plan is settled after this many calibrations, each taken at the first group
 #: created at least :data:`RUN_GAP_S` after the previous one, their figures merged
@@ -136,7 +140,7 @@ def valid_plan(plan) -> bool:
     if not isinstance(plan, dict) or set(plan) != set(KEYS):
         return False
     ok = lambda v, none: (v is None and none) or (type(v) is int and 0 <= v < _LIMIT)  # noqa: E731
-    return ok(plan["one_shot_max_bytes"], False) and all(ok(plan[k], True) for k in SINGLE_COPY_KEYS)
+    return ok(plan["one_shot_max_bytes"], False) and all(ok(plan[k], True) for k in KEYS[1:])
 
 
 def _valid_runs(runs) -> bool:
@@ -246,14 +250,14 @@ def parse(text: str):
 
 def _variants(single_copy: bool) -> Dict[str, List[Tuple[str, dict]]]:
     """Per op, the variants to time, each as the plan that forces it."""
-    slots = dict(FALLBACK, **{k: _NEVER for k in SINGLE_COPY_KEYS})
+    slots = dict(FALLBACK, **{k: _NEVER for k in KEYS[1:]})
     big = 1 << 62
     out = {"allreduce": [("one_shot", dict(slots, one_shot_max_bytes=big)),
                          ("two_step", dict(slots, one_shot_max_bytes=0))],
            **{op: [("slots", slots)] for op in SINGLE_COPY_OPS[1:]}}
     if single_copy:
         for op, key in zip(SINGLE_COPY_OPS, SINGLE_COPY_KEYS):
-            out[op].append(("single_copy", dict(slots, **{key: 0})))
+            out[op].append(("single_copy", dict(slots, **{key: 0})))  # from 0 B, no end
     return out
 
 
@@ -363,22 +367,33 @@ def merge(runs: List[Dict[str, Dict[str, List[float]]]]) -> Dict[str, Dict[str, 
     return out
 
 
-def _switch(base: List[float], alt: List[float], grid) -> Optional[int]:
-    """The threshold from which ``alt`` is used (the geometric middle below the first size
-    it covers), or None: the smallest measured size at which ``alt`` wins clearly (by
-    :data:`MARGIN`) above the largest size at which it loses clearly (slower by more than
-    the margin). Above that size it wins or ties at every measured size, so where it is
-    clearly faster it is used, and a tie (within the margin either way) never moves the
-    threshold: noise between calibrations only changes which of two equal paths runs.
+def _band(base: List[float], alt: List[float], grid) -> Tuple[Optional[int], Optional[int]]:
+    """The band ``(min, max)`` of message sizes in which ``alt`` is used (bytes; ``min`` None:
+    never, ``max`` None: no end), each end at the geometric middle between two measured
+    sizes. The measured sizes at which ``alt`` loses clearly (slower than ``base`` by more
+    than :data:`MARGIN`) cut the grid into runs; the band starts at the first clear win
+    (faster by the margin) of the run with the most clear wins (of two with as many, the
+    one at larger sizes) and ends at the clear loss after it. Within the margin either way
+    (a tie) nothing moves: noise between calibrations only changes which of two equal
+    paths runs, and one noisy figure cannot move the band to another run.
 
-    The rule before asked for a clear win at every larger size: on the Intel Xeon VM
-    (docs/benchmark.md) single-copy allgather won by 30 % at 1 MiB and 4 MiB and by 9 %
-    at 16 MiB, and that chose the slots for every size."""
-    loses = [i for i, (b, a) in enumerate(zip(base, alt)) if a * MARGIN > b]
-    for k in range((loses[-1] + 1) if loses else 0, len(grid)):
-        if alt[k] < MARGIN * base[k]:
-            return grid[k] // 2
-    return None
+    Bands rather than one threshold because single-copy can win at middle sizes only: on
+    the Intel Xeon VM (2026-12-04) a single-copy broadcast took 52.7 us at 1 MiB against
+    70.0 through the slots, and 430 against 307 at 4 MiB. The rules before (one threshold,
+    "wins at that size and at every larger one", then "first clear win above the last
+    clear loss") chose the slots for every size there."""
+    loses = [a * MARGIN > b for b, a in zip(base, alt)]
+    wins = [a < MARGIN * b for b, a in zip(base, alt)]
+    best = None  # (clear wins, first index, end index)
+    start = 0
+    for end in [k for k, lost in enumerate(loses) if lost] + [len(grid)]:
+        won = [k for k in range(start, end) if wins[k]]
+        if won and (best is None or len(won) >= best[0]):
+            best = (len(won), won[0], end)
+        start = end + 1
+    if best is None:
+        return None, None
+    return grid[best[1]] // 2, (None if best[2] == len(grid) else grid[best[2]] // 2)
 
 
 def _keep_below(small: List[float], large: List[float], grid) -> Optional[int]:
@@ -404,10 +419,10 @@ def decide(measured: Dict[str, Dict[str, List[float]]], grid=GRID) -> dict:
     one_shot_max = (1 << 62) if keep is None else keep
     slots = [o if s <= one_shot_max else t for s, o, t in zip(grid, ar["one_shot"], ar["two_step"])]
     plan = {"one_shot_max_bytes": one_shot_max}
-    for op, key in zip(SINGLE_COPY_OPS, SINGLE_COPY_KEYS):
+    for op, lo, hi in zip(SINGLE_COPY_OPS, SINGLE_COPY_KEYS, SINGLE_COPY_MAX_KEYS):
         base = slots if op == "allreduce" else measured[op]["slots"]
         alt = measured[op].get("single_copy")
-        plan[key] = None if alt is None else _switch(base, alt, grid)
+        plan[lo], plan[hi] = (None, None) if alt is None else _band(base, alt, grid)
     return plan
 
 
@@ -501,7 +516,7 @@ def setup(comm, store, layout, rank: int, world_size: int, where: str, timeout_s
         plan = outcome["plan"]
     if json.loads(mine)["cma_min_bytes"]:  # the legacy override: keep the core's thresholds
         legacy = comm.plan
-        plan = dict(plan, **{k: legacy[k] for k in SINGLE_COPY_KEYS})
+        plan = dict(plan, **{k: legacy[k] for k in KEYS[1:]})
     _set(comm, plan)
     _log.debug("%s: plan %s (%s)", where, describe(comm.plan), source)
     return comm.plan, source
@@ -539,7 +554,8 @@ def _resolve(comm, store, base: str, world_size: int, local_size: int) -> str:
 
 
 def describe(plan: dict) -> str:
-    """``one-shot allreduce <= 256 KiB, single-copy: allreduce >= 2 MiB, ...``."""
+    """``allreduce one-shot up to 256 KiB, two-step above; single-copy from: allreduce 2 MiB,
+    ..., broadcast 32 KiB below 2 MiB, ...`` (a band's end only where it has one)."""
     def b(v):
         if v is None or v >= 1 << 60:
             return "never"
@@ -548,5 +564,8 @@ def describe(plan: dict) -> str:
                 return f"{v >> s} {unit}"
         return f"{v} B"
     one = plan["one_shot_max_bytes"]
+    def band(lo, hi):
+        return b(lo) + ("" if lo is None or hi is None else f" below {b(hi)}")
     return (f"allreduce one-shot up to {'any size' if one >= 1 << 60 else b(one)}, two-step above; single-copy "
-            "from: " + ", ".join(f"{op} {b(plan[k])}" for op, k in zip(SINGLE_COPY_OPS, SINGLE_COPY_KEYS)))
+            "from: " + ", ".join(f"{op} {band(plan[lo], plan[hi])}"
+                                 for op, lo, hi in zip(SINGLE_COPY_OPS, SINGLE_COPY_KEYS, SINGLE_COPY_MAX_KEYS)))
