@@ -183,3 +183,19 @@ def test_ctrl_c_interrupts_a_rank_waiting_for_its_peers_at_init(tmp_path):
         for name in os.listdir(segment_dir):
             os.unlink(os.path.join(segment_dir, name))
         os.rmdir(segment_dir)
+
+
+def test_the_version_is_cargo_s_everywhere():
+    """One version: Cargo.toml's, which the core compiles in (``_core.__version__``),
+    ``flagos_shm.__version__`` re-exports and maturin writes into the installed
+    distribution's metadata (pyproject.toml's ``dynamic = ["version"]``)."""
+    import importlib.metadata
+    import re
+
+    from flagos_shm import _core
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "Cargo.toml")) as fh:
+        cargo = re.search(r'^version = "([^"]+)"', fh.read(), flags=re.MULTILINE).group(1)
+    assert flagos_shm.__version__ == _core.__version__ == cargo
+    assert importlib.metadata.version("flagos_shm") == cargo

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import os as _os
 import warnings as _warnings
-from importlib import metadata as _metadata
 
 import torch.distributed as _dist
 
 from . import _compat
-from . import _core  # noqa: F401  (fail at import time when the extension is missing)
+from . import _core  # fails at import time when the extension is missing
 from . import emulation  # noqa: F401  (flagos_shm.emulation.enable() after import flagos_shm)
 from .backend import BACKEND_NAME, ShmGroup, create_backend
 from .backend import config as _config
@@ -34,10 +33,9 @@ from .work import ShmWork
 __all__ = ["__version__", "BACKEND_NAME", "DEVICES", "ENV_EMULATE", "ShmBackend", "ShmGroup", "ShmWork",
            "register"]
 
-try:
-    __version__ = _metadata.version("flagos_shm")
-except _metadata.PackageNotFoundError:  # running from a source tree that is not installed
-    __version__ = "0.0.0+unknown"
+#: The package's version: Cargo.toml's, compiled into the core (pyproject.toml takes it from
+#: there too, so the installed distribution's metadata says the same).
+__version__: str = _core.__version__
 
 #: Device types registered for this backend. ``init_process_group()`` with no backend name
 #: on a machine whose accelerator is ``flagos`` (and ``init_device_mesh("flagos", ...)``)
