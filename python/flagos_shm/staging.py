@@ -47,20 +47,11 @@ ENV_PINNED_POOL_BYTES = "FLAGOS_SHM_PINNED_POOL_BYTES"
 #: Default of ``FLAGOS_SHM_PINNED_POOL_BYTES``: 256 MiB.
 DEFAULT_PINNED_POOL_BYTES = 256 << 20
 
-#: torch dtype -> the core's dtype name (see the core's API). Complex dtypes are handled as
-#: their real component dtype (``torch.view_as_real``).
-CORE_DTYPES: dict[torch.dtype, str] = {
-    torch.float32: "float32",
-    torch.float64: "float64",
-    torch.float16: "float16",
-    torch.bfloat16: "bfloat16",
-    torch.int8: "int8",
-    torch.uint8: "uint8",
-    torch.int16: "int16",
-    torch.int32: "int32",
-    torch.int64: "int64",
-    torch.bool: "bool",
-}
+#: torch dtype -> the core's dtype name: the core's own table (``_core.DTYPES``, in its
+#: order, which the hierarchy's wire codes follow; ``rust/reduce.rs``, ``DType::ALL``), whose
+#: names are torch's. Complex dtypes are handled as their real component dtype
+#: (``torch.view_as_real``).
+CORE_DTYPES: dict[torch.dtype, str] = {getattr(torch, name): name for name in _core.DTYPES}
 
 #: Stands for ``torch.no_grad()`` where nothing needs it (a tensor that does not require grad):
 #: entering no_grad costs about 2 us.
