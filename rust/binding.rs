@@ -338,9 +338,10 @@ impl PyCommunicator {
     }
 
     /// The plan later calls use (`rust/plan.rs`): a dict of byte thresholds keyed by
-    /// `PLAN_KEYS`: `one_shot_max_bytes` (allreduce one-shot up to it) and
-    /// `<collective>_single_copy_min_bytes` (None: never; also None when the group cannot
-    /// use single-copy transfers).
+    /// `PLAN_KEYS`: `one_shot_max_bytes` (allreduce one-shot up to it) and, per collective
+    /// with a single-copy path, the band `<collective>_single_copy_min_bytes` (None: never;
+    /// also None when the group cannot use single-copy transfers) to below
+    /// `<collective>_single_copy_max_bytes` (None: no end).
     #[getter]
     fn plan(&self, py: Python<'_>) -> PyResult<std::collections::BTreeMap<&'static str, Option<usize>>> {
         let p = self.run(py, None, |c| Ok(c.plan()))?;

@@ -167,8 +167,7 @@ impl Communicator {
     /// [`cma`]; allreduce and reduce-scatter: [`Self::plan`]), or `None` when the group
     /// cannot use them or the plan never does.
     pub fn single_copy_min_bytes(&self) -> Option<usize> {
-        let b = self.plan().single_copy[1];
-        (b.min != NEVER).then_some(b.min)
+        self.plan().band(Kind::Allgather).map(|b| b.min).filter(|&m| m != NEVER)
     }
 
     /// Sets the legacy single-copy threshold (`None`: never use single-copy):
@@ -216,15 +215,7 @@ impl Communicator {
 
     /// Whether a call of `kind` moving `bytes` (as the plan counts them) uses single-copy.
     pub(crate) fn single_copy(&self, kind: Kind, bytes: usize) -> bool {
-        let band = match kind {
-            Kind::Allreduce => self.plan.single_copy[0],
-            Kind::Allgather => self.plan.single_copy[1],
-            Kind::ReduceScatter => self.plan.single_copy[2],
-            Kind::Broadcast => self.plan.single_copy[3],
-            Kind::Alltoall => self.plan.single_copy[4],
-            _ => return false,
-        };
-        self.cma_ok && band.contains(bytes)
+        self.cma_ok && self.plan.band(kind).is_some_and(|b| b.contains(bytes))
     }
 
     /// Whether an allreduce of `bytes` takes the one-shot slot algorithm.

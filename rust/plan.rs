@@ -15,6 +15,8 @@
 //! ranks with different plans raise `Mismatch` at the first call they would move
 //! differently instead of exchanging garbage or hanging.
 
+use crate::desc::Kind;
+
 /// "Never": a threshold no message reaches.
 pub const NEVER: usize = usize::MAX;
 
@@ -42,7 +44,7 @@ impl Band {
 }
 
 /// The collectives with a single-copy path, in [`Plan::single_copy`]'s order.
-pub const SINGLE_COPY_OPS: [&str; 5] = ["allreduce", "allgather", "reduce_scatter", "broadcast", "alltoall"];
+pub const SINGLE_COPY_KINDS: [Kind; 5] = [Kind::Allreduce, Kind::Allgather, Kind::ReduceScatter, Kind::Broadcast, Kind::Alltoall];
 
 /// Message-size thresholds in bytes (S as the collective's checked face counts it: the
 /// allreduce and broadcast buffer, the allgather's whole output, the reduce-scatter's and
@@ -52,7 +54,7 @@ pub struct Plan {
     /// Allreduce messages up to this many bytes use the one-shot slot algorithm (every
     /// rank reduces every chunk); larger ones the two-step one.
     pub one_shot_max: usize,
-    /// Per collective of [`SINGLE_COPY_OPS`], the sizes at which it uses single-copy
+    /// Per collective of [`SINGLE_COPY_KINDS`], the sizes at which it uses single-copy
     /// transfers (when the group can: see `cma`). Broadcast: the non-roots read the root's
     /// buffer; all-to-all (equal pieces): each rank reads its piece of every peer's input.
     pub single_copy: [Band; 5],
@@ -61,7 +63,8 @@ pub struct Plan {
 /// The plan's thresholds by name, as the binding, `FLAGOS_SHM_PLAN` and the plan cache
 /// (`flagos_shm.backend.plan`, which takes them from `_core.PLAN_KEYS`) spell them, in
 /// [`Plan::values`]' order: the one-shot allreduce limit, then per collective of
-/// [`SINGLE_COPY_OPS`] `<op>_single_copy_min_bytes` and `<op>_single_copy_max_bytes`.
+/// [`SINGLE_COPY_KINDS`] `<name>_single_copy_min_bytes` and `<name>_single_copy_max_bytes`
+/// (`Kind::name`).
 pub const KEYS: [&str; 11] = [
     "one_shot_max_bytes",
     "allreduce_single_copy_min_bytes",
@@ -96,9 +99,10 @@ impl Plan {
         ],
     };
 
-    /// The single-copy band of the collective `kind` names, if it has one.
-    pub fn band(&self, op: &str) -> Option<Band> {
-        SINGLE_COPY_OPS.iter().position(|o| *o == op).map(|i| self.single_copy[i])
+    /// The single-copy band of collectives of `kind`; None for a kind without a
+    /// single-copy path.
+    pub fn band(&self, kind: Kind) -> Option<Band> {
+        SINGLE_COPY_KINDS.iter().position(|k| *k == kind).map(|i| self.single_copy[i])
     }
 
     /// The thresholds in [`KEYS`]' order.
@@ -157,8 +161,8 @@ mod tests {
         let v = std::array::from_fn(|i| i + 1);
         let p = Plan::from_values(v);
         assert_eq!(p.values(), v);
-        assert_eq!((p.one_shot_max, p.band("reduce_scatter"), p.band("gather")), (1, Some(Band { min: 6, max: 7 }), None));
-        for (i, op) in SINGLE_COPY_OPS.iter().enumerate() {
+        assert_eq!((p.one_shot_max, p.band(Kind::ReduceScatter), p.band(Kind::Gather)), (1, Some(Band { min: 6, max: 7 }), None));
+        for (i, op) in SINGLE_COPY_KINDS.map(Kind::name).iter().enumerate() {
             assert_eq!(
                 (KEYS[1 + 2 * i], KEYS[2 + 2 * i]),
                 (&*format!("{op}_single_copy_min_bytes"), &*format!("{op}_single_copy_max_bytes"))

@@ -56,8 +56,8 @@ from . import config, options, rendezvous
 
 _log = logging.getLogger("flagos_shm")
 
-#: The plan's keys (``rust/plan.rs``, ``KEYS``): the one-shot allreduce limit, then one
-#: single-copy threshold per collective that has a single-copy path.
+#: The plan's keys (``rust/plan.rs``, ``KEYS``): the one-shot allreduce limit, then per
+#: collective that has a single-copy path the start and the end of its single-copy band.
 KEYS: Tuple[str, ...] = tuple(_core.PLAN_KEYS)
 #: Per collective with a single-copy path, where the band in which it takes that path
 #: starts (None: never) and where it ends (None: no end); ``rust/plan.rs``, ``Band``.
