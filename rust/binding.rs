@@ -354,11 +354,18 @@ impl PyCommunicator {
     /// raise ValueError (a mismatch) on every rank.
     ///
     /// Raises ValueError (`plan` naming the missing or unknown keys, or a key whose value
-    /// is negative or does not fit the core's sizes) or TypeError (a value that is not an
-    /// int or None); the plan in use is then unchanged.
-    fn set_plan(&self, py: Python<'_>, plan: std::collections::HashMap<String, Option<i128>>) -> PyResult<()> {
-        let missing: Vec<&str> = crate::plan::KEYS.iter().copied().filter(|k| !plan.contains_key(*k)).collect();
-        let mut unknown: Vec<&String> = plan.keys().filter(|k| !crate::plan::KEYS.contains(&k.as_str())).collect();
+    /// is negative or does not fit the core's sizes) or TypeError (not a dict, a key that is
+    /// not a str, a value that is not an int or None, naming its key); the plan in use is
+    /// then unchanged.
+    fn set_plan(&self, py: Python<'_>, plan: &Bound<'_, pyo3::types::PyDict>) -> PyResult<()> {
+        use pyo3::types::{PyBool, PyInt};
+        let mut given = std::collections::HashMap::new();
+        for (k, x) in plan.iter() {
+            let k: String = k.extract().map_err(|_| PyTypeError::new_err(format!("plan: key {k}: expected a str")))?;
+            given.insert(k, x);
+        }
+        let missing: Vec<&str> = crate::plan::KEYS.iter().copied().filter(|k| !given.contains_key(*k)).collect();
+        let mut unknown: Vec<&String> = given.keys().filter(|k| !crate::plan::KEYS.contains(&k.as_str())).collect();
         unknown.sort();
         if !missing.is_empty() || !unknown.is_empty() {
             return Err(PyValueError::new_err(format!(
@@ -368,10 +375,16 @@ impl PyCommunicator {
         }
         let mut v = [crate::plan::NEVER; crate::plan::KEYS.len()];
         for (slot, k) in v.iter_mut().zip(crate::plan::KEYS) {
-            if let Some(x) = plan[k] {
-                *slot = usize::try_from(x)
-                    .map_err(|_| PyValueError::new_err(format!("plan: {k}={x}: expected bytes from 0 to {} or None", usize::MAX)))?;
+            let x = &given[k];
+            if x.is_none() {
+                continue;
             }
+            if !x.is_instance_of::<PyInt>() || x.is_instance_of::<PyBool>() {
+                return Err(PyTypeError::new_err(format!("plan: {k}={x}: expected an int number of bytes or None")));
+            }
+            *slot = x
+                .extract::<usize>()
+                .map_err(|_| PyValueError::new_err(format!("plan: {k}={x}: expected bytes from 0 to {} or None", usize::MAX)))?;
         }
         let plan = crate::plan::Plan::from_values(v);
         self.run(py, None, move |c| {

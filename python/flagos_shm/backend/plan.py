@@ -211,9 +211,11 @@ def store_cached(key: str, runs: List[dict]) -> Optional[str]:
 def _bytes(text: str, what: str) -> Optional[int]:
     if text.strip().lower() in ("never", "none", "inf"):
         return None
-    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
+    m = re.fullmatch(r"\s*([0-9]+)\s*([KMG]?)(?:i?B)?\s*", text, flags=re.IGNORECASE)
     if not m:
         raise ValueError(f"{config.ENV_PLAN}: {what}={text!r}: expected bytes (e.g. 262144, 256K, 2M) or 'never'")
+    if len(m.group(1).lstrip("0")) > 20:  # more than 64 bits whatever the suffix (and int() has a digit limit)
+        raise ValueError(f"{config.ENV_PLAN}: {what}={text.strip()[:40]!r}...: too large for the core's 64-bit sizes")
     value = int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2).upper()]
     if value >= _LIMIT:
         raise ValueError(f"{config.ENV_PLAN}: {what}={text!r}: {value} bytes do not fit the core's 64-bit sizes")
@@ -242,6 +244,11 @@ def parse(text: str):
             raise ValueError(f"{config.ENV_PLAN}={text!r}: {item!r}: expected auto, calibrate, fallback or "
                              f"key=value pairs with keys {', '.join(short)}")
         plan[key] = _bytes(value, name.strip())
+    for lo, hi in zip(SINGLE_COPY_KEYS, SINGLE_COPY_MAX_KEYS):
+        if plan[lo] is not None and plan[hi] is not None and plan[hi] <= plan[lo]:
+            raise ValueError(f"{config.ENV_PLAN}={text!r}: {hi}={plan[hi]} is not above {lo}={plan[lo]} (a band "
+                             "from the first up to below the second; missing keys take the fallback's values, "
+                             f"{describe(FALLBACK)})")
     if plan["one_shot_max_bytes"] is None:
         plan["one_shot_max_bytes"] = 1 << 62
     return plan
@@ -468,6 +475,9 @@ def setup(comm, store, layout, rank: int, world_size: int, where: str, timeout_s
             node's ranks, which the core numbers 0, 1, ...).
     """
     base, node, local_rank, local_size = layout.base, layout.node, layout.local_rank, layout.local_size
+    # FLAGOS_SHM_CMA_MIN_BYTES' thresholds, which the core set at attach: a calibration below
+    # leaves the fallback plan set, so they are read now.
+    legacy = comm.plan
     deadline = time.monotonic() + timeout_s
     # the node's ranks: their process ids are this rank's to watch
     mates = rendezvous.watchable(layout, rank, layout.nodes[node])
@@ -516,7 +526,6 @@ def setup(comm, store, layout, rank: int, world_size: int, where: str, timeout_s
     else:
         plan = outcome["plan"]
     if json.loads(mine)["cma_min_bytes"]:  # the legacy override: keep the core's thresholds
-        legacy = comm.plan
         plan = dict(plan, **{k: legacy[k] for k in KEYS[1:]})
     _set(comm, plan)
     _log.debug("%s: plan %s (%s)", where, describe(comm.plan), source)
