@@ -382,3 +382,85 @@ def test_misaligned_tensors_are_staged_not_refused(worlds, backend):
         assert all(ok for ok, _ in r.values()), r
         if backend == "flagos_shm":
             assert all(staged >= 1 for _, staged in r.values()), r
+
+
+_ROUTED = ("_broadcast_digested", "broadcast", "_all_gather_single_digested", "all_gather_single",
+           "_all_to_all_single_digested", "all_to_all_single")
+
+
+def digested_routes():
+    """Which of the group's Python methods the C++ adapter calls for broadcast,
+    all_gather_into_tensor and all_to_all_single: spies on the class, installed before the
+    group's backend is made (the adapter binds the methods when it is built)."""
+    from flagos_shm.backend.group import ShmGroup
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    calls: list = []
+    own = {name: name in ShmGroup.__dict__ for name in _ROUTED}
+    saved = {name: getattr(ShmGroup, name) for name in _ROUTED}
+
+    def spy(name, fn):
+        def method(self, *args, **kwargs):
+            calls.append(name)
+            return fn(self, *args, **kwargs)
+        return method
+
+    for name in _ROUTED:
+        setattr(ShmGroup, name, spy(name, saved[name]))
+    out = {}
+    try:
+        g = dist.new_group(list(range(n)), backend="flagos_shm")
+
+        def run(key, fn, check):
+            calls.clear()
+            value = fn()
+            out[key] = (check(value), list(calls))
+
+        t = torch.full((5,), float(rank))
+        run("broadcast", lambda: dist.broadcast(t, src=n - 1, group=g), lambda _: t.tolist() == [n - 1.0] * 5)
+        a = torch.full((6,), float(rank), dtype=torch.float64)
+        run("broadcast async", lambda: dist.broadcast(a, src=0, group=g, async_op=True),
+            lambda w: w.wait() and w.is_completed() and a.tolist() == [0.0] * 6)
+        col = (torch.arange(12.0).reshape(4, 3) + rank)[:, 1]  # strided: the full path stages it
+        run("broadcast strided", lambda: dist.broadcast(col, src=0, group=g), lambda _: col.tolist() == [1.0, 4, 7, 10])
+        out_t = torch.zeros(3 * n, dtype=torch.int32)
+        mine = torch.full((3,), rank, dtype=torch.int32)
+        run("all_gather", lambda: dist.all_gather_into_tensor(out_t, mine, group=g),
+            lambda _: out_t.tolist() == [r for r in range(n) for _ in range(3)])
+        own_piece = torch.zeros(2 * n)
+        own_piece[2 * rank:2 * rank + 2] = rank + 0.5  # in place: the input is this rank's piece
+        run("all_gather in place",
+            lambda: dist.all_gather_into_tensor(own_piece, own_piece[2 * rank:2 * rank + 2], group=g),
+            lambda _: own_piece.tolist() == [r + 0.5 for r in range(n) for _ in range(2)])
+        src = torch.arange(2 * n, dtype=torch.int64) + 100 * rank
+        dst = torch.zeros(2 * n, dtype=torch.int64)
+        want = [100 * q + 2 * rank + i for q in range(n) for i in range(2)]
+        run("all_to_all", lambda: dist.all_to_all_single(dst, src, group=g), lambda _: dst.tolist() == want)
+        same = torch.arange(2 * n, dtype=torch.int64) + 100 * rank  # input and output one tensor
+        run("all_to_all overlapping", lambda: dist.all_to_all_single(same, same, group=g),
+            lambda _: same.tolist() == want)
+        dist.destroy_process_group(g)
+    finally:
+        for name in _ROUTED:
+            if own[name]:
+                setattr(ShmGroup, name, saved[name])
+            else:
+                delattr(ShmGroup, name)
+    return out
+
+
+def test_the_adapter_digests_the_common_cases_and_hands_the_rest_to_python(worlds, backend):
+    """The C++ adapter takes the common broadcast, all_gather_into_tensor and
+    all_to_all_single apart itself and calls the group's ``_*_digested`` method with
+    numbers; a strided tensor goes to the Python method at once, and a call the digested
+    method declines (input and output overlapping) goes on to it. Values against formulas."""
+    if backend != "flagos_shm":
+        pytest.skip("flagos_shm's adapter")
+    for rank, r in enumerate(worlds(3).run(digested_routes)):
+        assert all(ok for ok, _ in r.values()), (rank, r)
+        assert r["broadcast"][1] == ["_broadcast_digested"], r
+        assert r["broadcast async"][1] == ["_broadcast_digested"], r
+        assert r["broadcast strided"][1] == ["broadcast"], r
+        assert r["all_gather"][1] == r["all_gather in place"][1] == ["_all_gather_single_digested"], r
+        assert r["all_to_all"][1] == ["_all_to_all_single_digested"], r
+        assert r["all_to_all overlapping"][1] == ["_all_to_all_single_digested", "all_to_all_single"], r

@@ -85,6 +85,22 @@ class Gathering(CollectiveBase):
         return self._fast_call("all_gather_single", [output], lambda done: comm.allgather(
             in_ptr, in_bytes, out_ptr, out_bytes, numel, dtype, None, done), opts.asyncOp, (input,))
 
+    def _all_gather_single_digested(self, output, input, in_ptr: int, in_bytes: int, out_ptr: int, out_bytes: int,
+                                    numel: int, dtype: str, async_op: bool):
+        """:meth:`_all_gather_single_fast` for a call the c10d adapter has already taken apart:
+        it has checked both tensors (CPU, strided, contiguous, no lazy bits, one core dtype,
+        aligned; ``input`` not empty, ``output`` ``world_size`` times it) and the options (no
+        per-call timeout) in C++; overlap and the group's state are checked here. Returns
+        what :meth:`all_gather_single` would, or :data:`~.base.SLOW` (nothing done)."""
+        if (self._pending and self._writing_back()) or self._closed or self._coalesced is not None:
+            return SLOW
+        if (in_ptr < out_ptr + out_bytes and out_ptr < in_ptr + in_bytes
+                and not (in_ptr == out_ptr + self._rank * in_bytes and type(self._comm) is _CORE_COMM)):
+            return SLOW  # overlapping other than in place: the full path copies the input first
+        comm = self._comm
+        return self._fast_call("all_gather_single", [output], lambda done: comm.allgather(
+            in_ptr, in_bytes, out_ptr, out_bytes, numel, dtype, None, done), async_op, (input,))
+
     def allgather_coalesced(self, output_lists, input_list, opts=None) -> ShmWork:
         """Gather each ``input_list[i]`` of every rank: ``output_lists[r][i]`` receives rank
         r's ``input_list[i]`` (torch's layout: ``world_size`` lists of ``len(input_list)``

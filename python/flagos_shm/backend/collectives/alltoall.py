@@ -103,6 +103,21 @@ class AllToAll(CollectiveBase):
         return self._fast_call("all_to_all_single", [output], lambda done: comm.alltoall(
             in_ptr, nbytes, out_ptr, nbytes, numel // n, dtype, None, done), opts.asyncOp, (input,))
 
+    def _all_to_all_single_digested(self, output, input, in_ptr: int, out_ptr: int, nbytes: int, count: int,
+                                    dtype: str, async_op: bool):
+        """:meth:`_all_to_all_single_fast` for a call the c10d adapter has already taken
+        apart: it has checked both tensors (CPU, strided, contiguous, no lazy bits, one core
+        dtype, aligned, of ``nbytes`` each, not empty, dim 0 divisible by the world size) and
+        the options (no split sizes, no per-call timeout) in C++; ``count`` is the elements
+        per peer. Overlap and the group's state are checked here. Returns what
+        :meth:`all_to_all_single` would, or :data:`~.base.SLOW` (nothing done)."""
+        if ((self._pending and self._writing_back()) or self._closed or self._coalesced is not None
+                or (in_ptr < out_ptr + nbytes and out_ptr < in_ptr + nbytes)):
+            return SLOW  # overlapping: the full path copies the input first
+        comm = self._comm
+        return self._fast_call("all_to_all_single", [output], lambda done: comm.alltoall(
+            in_ptr, nbytes, out_ptr, nbytes, count, dtype, None, done), async_op, (input,))
+
     def _splits(self, sizes, tensor: torch.Tensor, arg: str) -> list:
         """Per-rank row counts along dim 0 (equal split when ``sizes`` is empty)."""
         rows = tensor.shape[0]

@@ -59,6 +59,19 @@ class OneToAll(CollectiveBase):
         return self._fast_call("broadcast", tensors, lambda done: comm.broadcast(
             ptr, numel * es, numel, dtype, root, None, done), opts.asyncOp)
 
+    def _broadcast_digested(self, tensors, ptr: int, nbytes: int, numel: int, dtype: str, root: int, async_op: bool):
+        """:meth:`_broadcast_fast` for a call the c10d adapter has already taken apart: it has
+        checked the tensor (``tensors[0]``: CPU, strided, contiguous, no lazy bits, of a core
+        dtype, aligned) and the options (``rootTensor`` 0, no per-call timeout) in C++ and
+        passes the numbers. Returns what :meth:`broadcast` would, or :data:`~.base.SLOW`
+        (nothing done: the adapter then calls :meth:`broadcast`)."""
+        if ((self._pending and self._writing_back()) or self._closed or self._coalesced is not None
+                or not 0 <= root < self._world_size):
+            return SLOW
+        comm = self._comm
+        return self._fast_call("broadcast", tensors, lambda done: comm.broadcast(
+            ptr, nbytes, numel, dtype, root, None, done), async_op)
+
     def scatter(self, output_tensors, input_tensors, opts=None, timeout=None) -> ShmWork:
         """Copy the root's ``input_tensors[0][r]`` into rank r's ``output_tensors[0]``.
 

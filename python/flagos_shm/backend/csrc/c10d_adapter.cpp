@@ -283,6 +283,9 @@ class ShmBackend : public c10d::Backend {
       methods_[i] = group_.attr(kMethodNames[i]);
     }
     digested_allreduce_ = group_.attr("_allreduce_digested");
+    digested_broadcast_ = group_.attr("_broadcast_digested");
+    digested_allgather_ = group_.attr("_all_gather_single_digested");
+    digested_alltoall_ = group_.attr("_all_to_all_single_digested");
     staged_allreduce_ = group_.attr("_allreduce_staged");
     can_stage_ = group_.attr("_can_stage_directly");
     slow_ = py::module_::import("flagos_shm.backend.collectives.base").attr("SLOW");
@@ -308,6 +311,9 @@ class ShmBackend : public c10d::Backend {
       release(fast.name);
     }
     release(digested_allreduce_);
+    release(digested_broadcast_);
+    release(digested_allgather_);
+    release(digested_alltoall_);
     release(staged_allreduce_);
     release(can_stage_);
     release(slow_);
@@ -346,6 +352,21 @@ class ShmBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors,
                                            const c10d::BroadcastOptions& opts) override {
+    // The common case, taken apart here as allreduce's is (below): one contiguous CPU tensor.
+    if (tensors.size() == 1 && opts.rootTensor == 0 && opts.timeout == c10d::kUnsetTimeout &&
+        tensors[0].device().is_cpu()) {
+      const at::Tensor& t = tensors[0];
+      if (const FastType* fast = fast_type(t)) {
+        py::gil_scoped_acquire gil;
+        const int64_t numel = t.numel();
+        py::object result = digested_broadcast_(tensors, reinterpret_cast<uintptr_t>(t.data_ptr()),
+                                                numel * static_cast<int64_t>(t.element_size()), numel, fast->name,
+                                                opts.rootRank, opts.asyncOp);
+        if (!result.is(slow_)) {
+          return wrap(std::move(result), c10d::OpType::BROADCAST, tensors);
+        }
+      }
+    }
     if (tensors.size() == 1 && !opts.asyncOp && opts.timeout == c10d::kUnsetTimeout && tensors[0].numel() > 0 &&
         staged_here(kBroadcast, tensors[0], tensors[0], opts, [&](const at::Tensor& out, const at::Tensor&) {
           return methods_[kBroadcast](std::vector<at::Tensor>{out}, opts);
@@ -412,6 +433,18 @@ class ShmBackend : public c10d::Backend {
 
   c10::intrusive_ptr<c10d::Work> _allgather_base(at::Tensor& output, at::Tensor& input,
                                                  const c10d::AllgatherOptions& opts) override {
+    // FSDP2's parameter all-gather on CPU tensors, taken apart here (overlap: Python).
+    if (const FastType* fast = fast_cpu_pair(input, output, opts.timeout, input.numel() * getSize())) {
+      py::gil_scoped_acquire gil;
+      py::object result = digested_allgather_(output, input, reinterpret_cast<uintptr_t>(input.data_ptr()),
+                                              input.numel() * static_cast<int64_t>(input.element_size()),
+                                              reinterpret_cast<uintptr_t>(output.data_ptr()),
+                                              output.numel() * static_cast<int64_t>(output.element_size()),
+                                              input.numel(), fast->name, opts.asyncOp);
+      if (!result.is(slow_)) {
+        return wrap(std::move(result), c10d::OpType::_ALLGATHER_BASE, {output});
+      }
+    }
     if (!opts.asyncOp && opts.timeout == c10d::kUnsetTimeout && input.numel() * getSize() == output.numel() &&
         output.numel() > 0 &&
         staged_here(kAllGatherSingle, output, input, opts, [&](const at::Tensor& out, const at::Tensor& in) {
@@ -476,6 +509,20 @@ class ShmBackend : public c10d::Backend {
                                                std::vector<int64_t>& output_split_sizes,
                                                std::vector<int64_t>& input_split_sizes,
                                                const c10d::AllToAllOptions& opts) override {
+    // `dist.all_to_all_single(out, inp)` on CPU tensors, taken apart here (overlap: Python).
+    if (output_split_sizes.empty() && input_split_sizes.empty() && input.dim() > 0 && output.dim() > 0 &&
+        input.size(0) % getSize() == 0 && output.size(0) % getSize() == 0) {
+      if (const FastType* fast = fast_cpu_pair(input, output, opts.timeout, input.numel())) {
+        py::gil_scoped_acquire gil;
+        const int64_t nbytes = input.numel() * static_cast<int64_t>(input.element_size());
+        py::object result = digested_alltoall_(output, input, reinterpret_cast<uintptr_t>(input.data_ptr()),
+                                               reinterpret_cast<uintptr_t>(output.data_ptr()), nbytes,
+                                               input.numel() / getSize(), fast->name, opts.asyncOp);
+        if (!result.is(slow_)) {
+          return wrap(std::move(result), c10d::OpType::ALLTOALL_BASE, {output});
+        }
+      }
+    }
     if (output_split_sizes.empty() && input_split_sizes.empty() && !opts.asyncOp &&
         opts.timeout == c10d::kUnsetTimeout && input.numel() == output.numel() && input.numel() % getSize() == 0 &&
         staged_here(kAllToAllSingle, output, input, opts, [&](const at::Tensor& out, const at::Tensor& in) {
@@ -673,9 +720,27 @@ class ShmBackend : public c10d::Backend {
     return &fast;
   }
 
+  // The dtype's entry if `input` and `output` are both CPU tensors that `fast_type` takes, of
+  // one dtype, `input` not empty and `output` of `output_numel` elements, and no per-call
+  // timeout was given; else nullptr. (The digested two-tensor calls: allgather, all-to-all.)
+  template <typename Timeout>
+  const FastType* fast_cpu_pair(const at::Tensor& input, const at::Tensor& output, const Timeout& timeout,
+                                int64_t output_numel) const {
+    if (timeout != c10d::kUnsetTimeout || !input.defined() || !output.defined() || !input.device().is_cpu() ||
+        !output.device().is_cpu() || input.scalar_type() != output.scalar_type() || input.numel() == 0 ||
+        output.numel() != output_numel) {
+      return nullptr;
+    }
+    const FastType* fast = fast_type(input);
+    return fast != nullptr && fast_type(output) != nullptr ? fast : nullptr;
+  }
+
   py::object group_;
   std::array<py::object, kMethodCount> methods_;
   py::object digested_allreduce_;
+  py::object digested_broadcast_;
+  py::object digested_allgather_;
+  py::object digested_alltoall_;
   py::object staged_allreduce_;
   py::object can_stage_;
   py::object slow_;  // what the Python side returns when the call needs the full path
