@@ -1,6 +1,6 @@
 //! The single-copy collectives (`process_vm_readv`, see `cma`): allreduce, allgather,
-//! reduce-scatter, broadcast and all-to-all of large messages. Each publishes the address of its buffer with the
-//! descriptor step, then reads the peers' buffers straight from their processes; a last
+//! reduce-scatter, broadcast and all-to-all of large messages. Each publishes the address
+//! of its buffer with the descriptor step, then reads the peers' buffers straight from their processes; a last
 //! step keeps every buffer untouched until all peers have finished reading it. Nothing
 //! goes through the segment's slots.
 

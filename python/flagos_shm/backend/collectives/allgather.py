@@ -76,21 +76,18 @@ class Gathering(CollectiveBase):
         if dtype is None:
             return SLOW
         numel, es = input.numel(), input.element_size()
-        in_ptr, out_ptr, in_bytes, out_bytes = input.data_ptr(), output.data_ptr(), numel * es, output.numel() * es
-        if ((in_ptr < out_ptr + out_bytes and out_ptr < in_ptr + in_bytes
-                and not (in_ptr == out_ptr + self._rank * in_bytes and type(self._comm) is _CORE_COMM))
-                or (in_ptr | out_ptr) % es):
-            return SLOW  # overlapping other than in place (the full path copies the input first) or not aligned
-        comm = self._comm
-        return self._fast_call("all_gather_single", [output], lambda done: comm.allgather(
-            in_ptr, in_bytes, out_ptr, out_bytes, numel, dtype, None, done), opts.asyncOp, (input,))
+        in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
+        if (in_ptr | out_ptr) % es:
+            return SLOW  # not aligned to the element size: the full path stages them
+        return self._all_gather_single_digested(output, input, in_ptr, numel * es, out_ptr, output.numel() * es,
+                                                numel, dtype, opts.asyncOp)
 
     def _all_gather_single_digested(self, output, input, in_ptr: int, in_bytes: int, out_ptr: int, out_bytes: int,
                                     numel: int, dtype: str, async_op: bool):
-        """:meth:`_all_gather_single_fast` for a call the c10d adapter has already taken apart:
-        it has checked both tensors (CPU, strided, contiguous, no lazy bits, one core dtype,
-        aligned; ``input`` not empty, ``output`` ``world_size`` times it) and the options (no
-        per-call timeout) in C++; overlap and the group's state are checked here. Returns
+        """The common all-gather once both tensors (CPU, strided, contiguous, no lazy bits, one
+        core dtype, aligned; ``input`` not empty, ``output`` ``world_size`` times it) and the
+        options (no per-call timeout) are checked, by the c10d adapter in C++ or by
+        :meth:`_all_gather_single_fast`: overlap and the group's state are checked here. Returns
         what :meth:`all_gather_single` would, or :data:`~.base.SLOW` (nothing done)."""
         if (self._pending and self._writing_back()) or self._closed or self._coalesced is not None:
             return SLOW

@@ -85,8 +85,7 @@ class AllToAll(CollectiveBase):
         out for this case; returns what :meth:`all_to_all_single` would, or
         :data:`~.base.SLOW` (nothing done) for any other call (which the full path then
         checks, stages or refuses)."""
-        if (type(opts) is not _ALLTOALL_OPTIONS or (self._pending and self._writing_back()) or self._closed
-                or self._coalesced is not None):
+        if type(opts) is not _ALLTOALL_OPTIONS:
             return SLOW
         dtype = fast_dtype(input)
         if dtype is None or fast_dtype(output) is None or output.dtype != input.dtype or opts.timeout != _UNSET_TIMEOUT:
@@ -96,20 +95,19 @@ class AllToAll(CollectiveBase):
                 or input.shape[0] % n or output.shape[0] % n:
             return SLOW
         es = input.element_size()
-        in_ptr, out_ptr, nbytes = input.data_ptr(), output.data_ptr(), numel * es
-        if (in_ptr < out_ptr + nbytes and out_ptr < in_ptr + nbytes) or (in_ptr | out_ptr) % es:
-            return SLOW  # overlapping (the full path copies the input first) or not aligned (it stages)
-        comm = self._comm
-        return self._fast_call("all_to_all_single", [output], lambda done: comm.alltoall(
-            in_ptr, nbytes, out_ptr, nbytes, numel // n, dtype, None, done), opts.asyncOp, (input,))
+        in_ptr, out_ptr = input.data_ptr(), output.data_ptr()
+        if (in_ptr | out_ptr) % es:
+            return SLOW  # not aligned to the element size: the full path stages them
+        return self._all_to_all_single_digested(output, input, in_ptr, out_ptr, numel * es, numel // n, dtype,
+                                                opts.asyncOp)
 
     def _all_to_all_single_digested(self, output, input, in_ptr: int, out_ptr: int, nbytes: int, count: int,
                                     dtype: str, async_op: bool):
-        """:meth:`_all_to_all_single_fast` for a call the c10d adapter has already taken
-        apart: it has checked both tensors (CPU, strided, contiguous, no lazy bits, one core
-        dtype, aligned, of ``nbytes`` each, not empty, dim 0 divisible by the world size) and
-        the options (no split sizes, no per-call timeout) in C++; ``count`` is the elements
-        per peer. Overlap and the group's state are checked here. Returns what
+        """The common all-to-all once both tensors (CPU, strided, contiguous, no lazy bits, one
+        core dtype, aligned, of ``nbytes`` each, not empty, dim 0 divisible by the world size)
+        and the options (no split sizes, no per-call timeout) are checked, by the c10d adapter
+        in C++ or by :meth:`_all_to_all_single_fast`; ``count`` is the elements per peer.
+        Overlap and the group's state are checked here. Returns what
         :meth:`all_to_all_single` would, or :data:`~.base.SLOW` (nothing done)."""
         if ((self._pending and self._writing_back()) or self._closed or self._coalesced is not None
                 or (in_ptr < out_ptr + nbytes and out_ptr < in_ptr + nbytes)):

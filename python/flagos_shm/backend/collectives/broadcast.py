@@ -43,28 +43,25 @@ class OneToAll(CollectiveBase):
         :func:`~.base.fast_dtype` takes, exact ``BroadcastOptions`` with ``rootTensor`` 0 and
         a root in the group, no per-call timeout, nothing pending or coalescing, an open
         group. Returns what :meth:`broadcast` would, or :data:`~.base.SLOW` (nothing done)."""
-        if (type(tensors) is not list or len(tensors) != 1 or type(opts) is not _BROADCAST_OPTIONS
-                or (self._pending and self._writing_back()) or self._closed
-                or self._coalesced is not None):
+        if type(tensors) is not list or len(tensors) != 1 or type(opts) is not _BROADCAST_OPTIONS:
             return SLOW
         t = tensors[0]
         dtype = fast_dtype(t)
-        root = opts.rootRank
-        if dtype is None or opts.rootTensor != 0 or opts.timeout != _UNSET_TIMEOUT or not 0 <= root < self._world_size:
+        if dtype is None or opts.rootTensor != 0 or opts.timeout != _UNSET_TIMEOUT:
             return SLOW
         ptr, es = t.data_ptr(), t.element_size()
         if ptr % es:
             return SLOW  # not aligned to its element size: the full path stages it
-        numel, comm = t.numel(), self._comm
-        return self._fast_call("broadcast", tensors, lambda done: comm.broadcast(
-            ptr, numel * es, numel, dtype, root, None, done), opts.asyncOp)
+        numel = t.numel()
+        return self._broadcast_digested(tensors, ptr, numel * es, numel, dtype, opts.rootRank, opts.asyncOp)
 
     def _broadcast_digested(self, tensors, ptr: int, nbytes: int, numel: int, dtype: str, root: int, async_op: bool):
-        """:meth:`_broadcast_fast` for a call the c10d adapter has already taken apart: it has
-        checked the tensor (``tensors[0]``: CPU, strided, contiguous, no lazy bits, of a core
-        dtype, aligned) and the options (``rootTensor`` 0, no per-call timeout) in C++ and
-        passes the numbers. Returns what :meth:`broadcast` would, or :data:`~.base.SLOW`
-        (nothing done: the adapter then calls :meth:`broadcast`)."""
+        """The common broadcast once the tensor (``tensors[0]``: CPU, strided, contiguous, no
+        lazy bits, of a core dtype, aligned) and the options (``rootTensor`` 0, no per-call
+        timeout) are checked, by the c10d adapter in C++ or by :meth:`_broadcast_fast`: the
+        root and the group's state are checked here, then the core is called. Returns what
+        :meth:`broadcast` would, or :data:`~.base.SLOW` (nothing done: the caller then takes
+        the full path of :meth:`broadcast`)."""
         if ((self._pending and self._writing_back()) or self._closed or self._coalesced is not None
                 or not 0 <= root < self._world_size):
             return SLOW
