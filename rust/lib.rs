@@ -1,6 +1,8 @@
 //! flagos_shm: lock-free shared-memory collectives for the ranks of one node.
 //!
-//! Layers, one module each: [`segment`] (the shared-memory segment and its layout) →
+//! Layers, one module each: [`shm`] (the shared-memory file layer and the wait type that
+//! group segments and point-to-point pairs share) → [`segment`] (the group's segment and
+//! its layout) →
 //! [`sync`] (per-rank counters, waits with deadlines, every control-block access) and
 //! [`cma`] (single-copy reads from a peer's process) → [`reduce`] (dtypes, reduce ops,
 //! kernels), [`desc`] (collective descriptors) and [`buffer`] (caller buffers with their
@@ -24,6 +26,7 @@ pub mod plan;
 pub mod progress;
 pub mod reduce;
 pub mod segment;
+pub mod shm;
 pub mod single_copy;
 pub mod stream;
 pub mod sync;
