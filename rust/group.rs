@@ -167,7 +167,7 @@ impl Communicator {
     }
 
     /// The allgather message size in bytes from which single-copy transfers are used (see
-    /// [`cma`]; allreduce and reduce-scatter: [`Self::plan`]), or `None` when the group
+    /// `cma`; allreduce and reduce-scatter: [`Self::plan`]), or `None` when the group
     /// cannot use them or the plan never does.
     pub fn single_copy_min_bytes(&self) -> Option<usize> {
         self.plan().band(Kind::Allgather).map(|b| b.min).filter(|&m| m != NEVER)

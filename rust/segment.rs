@@ -1,5 +1,5 @@
 //! The shared-memory segment of one process group: its layout and geometry. The file
-//! itself (header, creation, opening, sweep, the creator's lock) is a file of [`FORMAT`]
+//! itself (header, creation, opening, sweep, the creator's lock) is a file of `FORMAT`
 //! in the shared-memory file layer (`crate::shm::file`, whose docs say how it is made,
 //! checked and kept alive).
 //!
@@ -37,7 +37,7 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"FLGOSSHM");
 /// Bumped whenever the layout or the protocol changes.
 pub const VERSION: u32 = 3;
 /// Bytes of one rank's control block.
-pub const CTRL: usize = 2 * LINE;
+pub(crate) const CTRL: usize = 2 * LINE;
 /// Bytes of one chunk slot of a new segment, unless the caller asks for a size
 /// ([`default_slot_bytes`] picks between this and [`SMALL_SLOT_BYTES`]). Each rank owns
 /// two, so a group of n ranks maps n * 2 MiB plus a few KiB (4 MiB at 2 ranks, 16 MiB at
@@ -57,11 +57,11 @@ pub const DEFAULT_SLOT_BYTES: usize = 1 << 20;
 pub const SMALL_SLOT_BYTES: usize = 256 * 1024;
 /// A group takes [`DEFAULT_SLOT_BYTES`] slots only if its segment then needs at most this
 /// share (1 / `FS_SHARE`) of the file system's total size.
-pub const FS_SHARE: u64 = 32;
+pub(crate) const FS_SHARE: u64 = 32;
 /// Largest accepted slot (sanity bound on a value read from shared memory or env).
-pub const MAX_SLOT_BYTES: usize = 1 << 30;
+pub(crate) const MAX_SLOT_BYTES: usize = 1 << 30;
 /// Largest accepted group size.
-pub const MAX_WORLD: usize = 4096;
+pub(crate) const MAX_WORLD: usize = 4096;
 /// File name prefix inside the segment directory.
 pub const NAME_PREFIX: &str = "flagos_shm-";
 
@@ -137,7 +137,7 @@ pub fn segment_bytes(world_size: usize, slot_bytes: usize) -> usize {
 }
 
 /// Checks a group size and slot size; returns a message naming the bad one.
-pub fn check_geometry(world_size: usize, slot_bytes: usize) -> Result<()> {
+pub(crate) fn check_geometry(world_size: usize, slot_bytes: usize) -> Result<()> {
     file::check_counts("world_size", world_size, MAX_WORLD, "slot_bytes", slot_bytes, MAX_SLOT_BYTES)?;
     if slot_bytes < world_size * 64 {
         // reduce-scatter, scatter and alltoall put one piece per rank in a slot: keep at
@@ -152,7 +152,7 @@ pub fn check_geometry(world_size: usize, slot_bytes: usize) -> Result<()> {
 
 /// Checks a segment header, given as the first bytes of a file of `file_len` bytes,
 /// against the group an attaching rank expects (`world_size`, and its own effective uid
-/// `uid`): [`file::validate_header`] for [`FORMAT`], whose docs list the checks. Pure, never
+/// `uid`): `shm::file::validate_header` for `FORMAT`, whose docs list the checks. Pure, never
 /// panics. The header's count is the group size.
 ///
 /// Errors: `InvalidArgument` naming the first field that does not match.
@@ -170,7 +170,7 @@ pub fn encode_header(world_size: u32, slot_bytes: u64, total_bytes: u64, uid: u3
 
 /// The slot size of a new segment of `world_size` ranks in `dir` when the caller asks for
 /// none (`FLAGOS_SHM_SLOT_BYTES` unset): [`DEFAULT_SLOT_BYTES`] when the segment then
-/// takes at most 1 / [`FS_SHARE`] of the file system's total size, else
+/// takes at most 1 / `FS_SHARE` of the file system's total size, else
 /// [`SMALL_SLOT_BYTES`] (also when the size cannot be read). Depends only on the file
 /// system's size, not on what is free now, so it is the same for every group of a job.
 /// Only the rank that creates a segment calls it; the others read the slot size from the
@@ -180,7 +180,7 @@ pub fn default_slot_bytes(dir: &Path, world_size: usize) -> usize {
 }
 
 /// [`default_slot_bytes`] for a file system of `total` bytes (`None`: unknown).
-pub fn slot_bytes_for(total: Option<u64>, world_size: usize) -> usize {
+pub(crate) fn slot_bytes_for(total: Option<u64>, world_size: usize) -> usize {
     let big = segment_bytes(world_size.max(1), DEFAULT_SLOT_BYTES) as u64;
     match total {
         Some(total) if big.saturating_mul(FS_SHARE) <= total => DEFAULT_SLOT_BYTES,
@@ -188,15 +188,15 @@ pub fn slot_bytes_for(total: Option<u64>, world_size: usize) -> usize {
     }
 }
 
-/// Removes segment files in `dir` left by crashed jobs ([`file::remove_stale`] for
-/// [`FORMAT`]: named `flagos_shm-*`, owned by this user, with the segment magic, whose
+/// Removes segment files in `dir` left by crashed jobs (`shm::file::remove_stale` for
+/// `FORMAT`: named `flagos_shm-*`, owned by this user, with the segment magic, whose
 /// creator no longer holds its lock). Best effort; returns the paths removed.
 pub fn remove_stale(dir: &Path) -> Vec<PathBuf> {
     file::remove_stale(&FORMAT, dir)
 }
 
 /// Creates a segment file in `dir` for `world_size` ranks, reserves its pages and writes
-/// its header ([`file::create`]). Returns the path. The caller (group rank 0) publishes the
+/// its header (`shm::file::create`). Returns the path. The caller (group rank 0) publishes the
 /// path to its peers.
 ///
 /// Errors: `InvalidArgument` for bad geometry; `Io` naming the path, the bytes needed and
@@ -224,7 +224,7 @@ impl Segment {
     /// Opens and maps the segment at `path`, checking that it is a regular file owned by
     /// this user with no group/other permissions, and that its header matches
     /// (magic, version, `world_size`, creator uid, sizes consistent with the file size;
-    /// see [`validate_header`]); [`file::open`] for [`FORMAT`].
+    /// see [`validate_header`]); `shm::file::open` for `FORMAT`.
     pub fn open(path: &Path, world_size: usize) -> Result<Segment> {
         let m = file::open(&FORMAT, path, Some(world_size))?;
         Ok(Segment { map: m.map, path: path.to_path_buf(), world_size: m.geometry.count, slot_bytes: m.geometry.slot_bytes })

@@ -19,15 +19,15 @@ pub const VERSION: u32 = 1;
 /// leak checks that look for `flagos_shm-*` see them too).
 pub const NAME_PREFIX: &str = "flagos_shm-p2p-";
 /// Bytes at the start of each slot holding the chunk header.
-pub const SLOT_HEADER: usize = 64;
+pub(super) const SLOT_HEADER: usize = 64;
 /// Default slot size: 64 KiB.
 pub const DEFAULT_SLOT_BYTES: usize = 64 * 1024;
 /// Default slots per direction: 4 (so a pair segment is 4 KiB + 2 * 4 * 64 KiB = 516 KiB).
 pub const DEFAULT_SLOTS: usize = 4;
 /// Largest accepted slot count per direction.
-pub const MAX_SLOTS: usize = 1024;
+pub(super) const MAX_SLOTS: usize = 1024;
 /// Largest accepted slot size.
-pub const MAX_SLOT_BYTES: usize = 1 << 26;
+pub(super) const MAX_SLOT_BYTES: usize = 1 << 26;
 
 pub(super) const ACK_OK: u64 = 0;
 pub(super) const ACK_MISMATCH: u64 = 1;
@@ -88,13 +88,6 @@ pub fn segment_bytes(slots: usize, slot_bytes: usize) -> usize {
     PAGE + 2 * slots * slot_bytes
 }
 
-/// Removes pair files in `dir` whose creator is gone ([`file::remove_stale`] for
-/// [`FORMAT`]: owned by this user, with the pair magic, no longer locked by their creator).
-/// Best effort; returns the paths removed.
-pub fn remove_stale(dir: &Path) -> Vec<PathBuf> {
-    file::remove_stale(&FORMAT, dir)
-}
-
 /// `InvalidArgument` unless `buf` may be written (a receive's destination).
 pub(super) fn writable(buf: &Buf<'_>) -> Result<()> {
     if buf.is_writable() {
@@ -106,7 +99,7 @@ pub(super) fn writable(buf: &Buf<'_>) -> Result<()> {
 
 /// Creates a pair segment in `dir` and returns its path (the caller publishes it to the
 /// peer), complete or not at all and locked by its creator, as group segments are
-/// ([`file::create`]). Pages are reserved up front, so a full tmpfs fails here with the
+/// (`shm::file::create`). Pages are reserved up front, so a full tmpfs fails here with the
 /// bytes needed.
 ///
 /// Errors: `InvalidArgument` for a bad geometry, `Io` naming the path and the bytes.

@@ -14,17 +14,17 @@
 //! 36  creator_pid  u32
 //! ```
 //!
-//! Creation ([`create`]): the file is made complete or not at all (`O_TMPFILE`, linked to
+//! Creation (`create`): the file is made complete or not at all (`O_TMPFILE`, linked to
 //! its name once filled), all its pages are reserved with `posix_fallocate` (so a full
 //! tmpfs fails there with the bytes needed instead of a SIGBUS later), and its header is
-//! written. Opening ([`open`]): the file must be a regular file (no symlink followed) owned
+//! written. Opening (`open`): the file must be a regular file (no symlink followed) owned
 //! by this user with no group/other permissions, and its header is read with `pread` and
-//! checked ([`validate_header`]) before exactly the validated size is mapped.
+//! checked (`validate_header`) before exactly the validated size is mapped.
 //!
 //! Liveness of a creator: from before the file has its name until it is unlinked, the
 //! creating process holds an exclusive `flock` on it (see [`release_creator_lock`]); the
 //! kernel drops the lock when the process exits, however it exits. The sweep of stale files
-//! ([`remove_stale`]) removes a file only if it can take that lock itself (without
+//! (`remove_stale`) removes a file only if it can take that lock itself (without
 //! waiting), so it never removes a file whose creator may be alive. A lock is seen the same
 //! way by every process that shares the file system, whatever its PID namespace, unlike a
 //! pid recorded in the header (which in another container may name nobody, or somebody
@@ -155,7 +155,7 @@ pub(crate) fn read_header(file: &File, len: u64) -> Option<Header> {
     Header::parse(&raw)
 }
 
-/// The layout of a file whose header passed [`validate_header`].
+/// The layout of a file whose header passed `validate_header`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Geometry {
     /// The header's count (ranks of a group, slots per direction of a pair); passes the
