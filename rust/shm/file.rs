@@ -489,3 +489,39 @@ pub(crate) fn remove_if_ours(fmt: &Format, path: &Path) {
     }
     release_creator_lock(path);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{p2p, segment};
+
+    fn err(r: Result<Geometry>) -> String {
+        r.expect_err("must be refused").to_string()
+    }
+
+    /// One validator serves both formats: each accepts its own header (sizes written out
+    /// here from the layouts in the two modules' docs) and refuses the other's by magic.
+    #[test]
+    fn each_format_accepts_its_own_header_and_refuses_the_others() {
+        let uid = euid();
+        // A pair: one page of control lines, then 2 directions x 4 slots x 64 KiB.
+        let pair_total = 4096 + 2 * 4 * 65536;
+        let pair = encode_header(&p2p::FORMAT, 4, 65536, pair_total, uid, 1);
+        let g = validate_header(&p2p::FORMAT, &pair, None, uid, pair_total).unwrap();
+        assert_eq!((g.count, g.slot_bytes, g.total_bytes as u64), (4, 65536, pair_total));
+        // A group of 2: header and group lines, 2 control blocks of 256 bytes, rounded up to
+        // a page, then 2 ranks x 2 slots x 4 KiB.
+        let seg_total = 4096 + 2 * 2 * 4096;
+        let seg = encode_header(&segment::FORMAT, 2, 4096, seg_total, uid, 1);
+        assert_eq!(validate_header(&segment::FORMAT, &seg, Some(2), uid, seg_total).unwrap().count, 2);
+        assert!(err(validate_header(&segment::FORMAT, &pair, Some(4), uid, pair_total)).contains("not a flagos_shm segment"));
+        assert!(err(validate_header(&p2p::FORMAT, &seg, None, uid, seg_total)).contains("not a flagos_shm p2p segment"));
+        // The pair's own checks, in the group's words.
+        assert!(err(validate_header(&p2p::FORMAT, &pair, None, uid, pair_total - 4096)).contains("does not match its header"));
+        assert!(err(validate_header(&p2p::FORMAT, &pair[..20], None, uid, 20)).contains("too small"));
+        let zero = encode_header(&p2p::FORMAT, 0, 65536, pair_total, uid, 1);
+        assert!(err(validate_header(&p2p::FORMAT, &zero, None, uid, pair_total)).contains("header: p2p slots: expected 1..="));
+        let other = encode_header(&p2p::FORMAT, 4, 65536, pair_total, uid.wrapping_add(1), 1);
+        assert!(err(validate_header(&p2p::FORMAT, &other, None, uid, pair_total)).contains("created by uid"));
+    }
+}
