@@ -123,7 +123,7 @@ fn default_slot_bytes(dir: &str, world_size: usize) -> usize {
 /// values that are not process ids. The liveness test the core applies to peers.
 #[pyfunction]
 fn process_exited(pid: u32) -> bool {
-    segment::pid_dead(pid)
+    crate::shm::wait::pid_dead(pid)
 }
 
 /// Size in bytes of a segment for `world_size` ranks with `slot_bytes` per chunk slot.

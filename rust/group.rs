@@ -10,6 +10,9 @@ use crate::error::{Error, Result};
 use crate::plan::{Plan, NEVER};
 use crate::reduce::{DType, ReduceOp, Reduction};
 use crate::segment::{self, Segment};
+use crate::shm::file;
+use crate::shm::wait::pid_dead;
+use crate::shm::PAGE;
 use crate::sync::{self, WaitCtx};
 use std::path::Path;
 use std::sync::{Arc, Weak};
@@ -61,7 +64,7 @@ impl Communicator {
     /// Maps the segment at `path` as `rank` of `world_size`, waits until all ranks have
     /// attached (at most `timeout`) and unlinks the file. On any failure the file is
     /// unlinked too, so nothing is left in the segment directory (but only if it is named
-    /// and owned like a segment: see [`segment::remove_if_segment`]).
+    /// and owned like a segment: see `shm::file::remove_if_ours`).
     pub fn attach(path: &Path, rank: usize, world_size: usize, timeout: Duration) -> Result<Communicator> {
         Self::attach_with(path, rank, world_size, timeout, None, &[])
     }
@@ -81,7 +84,7 @@ impl Communicator {
         peer_pids: &[u32],
     ) -> Result<Communicator> {
         let unlink_on_err = |e: Error| {
-            segment::remove_if_segment(path);
+            file::remove_if_ours(&segment::FORMAT, path);
             e
         };
         if rank >= world_size {
@@ -126,7 +129,7 @@ impl Communicator {
             }
             let gone: Vec<String> = sync::unattached(&seg)
                 .into_iter()
-                .filter_map(|r| peer_pids.get(r).filter(|&&p| p != 0 && segment::pid_dead(p)).map(|p| format!("rank {r} (pid {p})")))
+                .filter_map(|r| peer_pids.get(r).filter(|&&p| p != 0 && pid_dead(p)).map(|p| format!("rank {r} (pid {p})")))
                 .collect();
             if !gone.is_empty() {
                 sync::abort(&seg, rank);
@@ -164,7 +167,7 @@ impl Communicator {
     }
 
     /// The allgather message size in bytes from which single-copy transfers are used (see
-    /// [`cma`]; allreduce and reduce-scatter: [`Self::plan`]), or `None` when the group
+    /// `cma`; allreduce and reduce-scatter: [`Self::plan`]), or `None` when the group
     /// cannot use them or the plan never does.
     pub fn single_copy_min_bytes(&self) -> Option<usize> {
         self.plan().band(Kind::Allgather).map(|b| b.min).filter(|&m| m != NEVER)
@@ -344,7 +347,7 @@ impl Communicator {
     /// allreduce: see `algorithms`). Returns the offset in bytes; `offset + bytes <=
     /// slot_bytes` always (0 when the chunk fills more than half the slot).
     pub(crate) fn rotation(&self, bytes: usize) -> usize {
-        let span = bytes.div_ceil(segment::PAGE).max(1) * segment::PAGE;
+        let span = bytes.div_ceil(PAGE).max(1) * PAGE;
         let k = (self.seg.slot_bytes() / span).min(ROTATIONS);
         if k <= 1 {
             0

@@ -9,13 +9,12 @@
 //! `s % 2` again only in step `s + 2`, i.e. after every rank arrived at `s + 1`, no slot
 //! is overwritten while someone still reads it. No locks are taken anywhere.
 //!
-//! Waiting spins for [`SPIN`] (skipped when a missing peer last ran on the waiter's own
-//! CPU, where spinning would only delay it), then yields the CPU for [`YIELD`], then sleeps on a futex
-//! (one shared word, `GroupLine::wake`, bumped by arrivals only when someone sleeps) in
-//! slices of at most [`SLEEP_SLICE`]. Between slices it checks the deadline, the group's
+//! Waiting is a [`Waiter`] (`crate::shm::wait`): it spins (skipped when a missing peer
+//! last ran on the waiter's own CPU, where spinning would only delay it), yields, then
+//! sleeps on the group line's futex word (`GroupLine::wake`, bumped by arrivals only when
+//! someone sleeps) in bounded slices. Between slices it checks the deadline, the group's
 //! aborted flag, whether the missing peers' processes are still alive, and the caller's
-//! interrupt hook (Ctrl-C). So 4 ranks on 2 cores make progress, an idle waiter costs no
-//! CPU, and no wait outlives its deadline.
+//! interrupt hook (Ctrl-C).
 //!
 //! A rank that gets past a step while another rank last ran on its CPU yields once
 //! ([`wait_all`]), so that rank (likely waiting for the same step) leaves it at once.
@@ -37,40 +36,15 @@
 //!   before any step orders them.
 //! - `aborted`: SeqCst compare-exchange (the first aborter wins), Acquire reads.
 //!
-//! ## Sleeping and waking
-//!
-//! A sleeper must never sleep through the change it waits for (a lost wake would cost a
-//! whole [`SLEEP_SLICE`]). Sleeper: (1) `sleepers += 1`; (2) SeqCst fence; (3) `w =
-//! wake`; (4) re-check the condition (arrivals, aborted); (5) `futex_wait(wake, w)`,
-//! which returns at once if `wake != w`. Waker: (a) store the change (`arrived` or
-//! `aborted`); (b) SeqCst fence; (c) if `sleepers > 0`: `wake += 1` and `futex_wake`.
-//! The two fences order (1) before (4) and (a) before (c), so in the single total order
-//! of SeqCst fences either the sleeper's fence comes first, and then the waker's (c)
-//! sees the registration, or the waker's comes first, and then the sleeper's (4) sees
-//! the change. In the first case, if the bump of `wake` comes after (3), (5) does not
-//! sleep; if it comes before (3), (3) read it, and since the bump follows (a) in the
-//! waker's order (SeqCst RMW, release), (4) sees the change. Without the sleeper's fence
-//! the Acquire loads of (4) could be satisfied before the increment (1) is visible
-//! (allowed on weakly ordered CPUs such as aarch64), and both sides would miss each
-//! other. [`abort`] also bumps `wake` unconditionally, and the sleeper re-checks the
-//! aborted flag in (4), so an abort is never slept through either. The protocol is
-//! written once, in [`Doorbell`], which the point-to-point rings (`crate::p2p`, per-ring
-//! `bell` and `sleepers`) use as well (their sleeper had no fence between (1) and (4)
-//! before it was shared).
+//! - `wake`, `sleepers`: the [`Doorbell`] protocol ("Sleeping and waking" in
+//!   `crate::shm::wait`), which keeps a sleeper from sleeping through an arrival or an
+//!   abort.
 
 use crate::error::{Error, Result};
-use crate::segment::{self, GroupLine, Segment, DESC_WORDS};
-use std::sync::atomic::{fence, AtomicU32, Ordering};
+use crate::segment::{GroupLine, Segment, DESC_WORDS};
+use crate::shm::wait::{pid_dead, valid_pid, Doorbell, Waiter};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-
-/// Busy-wait budget before yielding: long enough to catch a peer that is running on
-/// another core a few microseconds behind, short enough not to starve it when it shares
-/// ours.
-pub const SPIN: Duration = Duration::from_micros(20);
-/// Yield budget before sleeping on the futex.
-pub const YIELD: Duration = Duration::from_micros(200);
-/// Longest single futex sleep; bounds how late abort, liveness and interrupt checks run.
-pub const SLEEP_SLICE: Duration = Duration::from_millis(20);
 
 /// What a wait is for: used for error messages and to stop waiting.
 pub struct WaitCtx<'a> {
@@ -102,13 +76,11 @@ fn doorbell(g: &GroupLine) -> Doorbell<'_> {
     Doorbell { word: &g.wake, sleepers: &g.sleepers }
 }
 
-/// Marks the group aborted by `rank` and wakes every waiter.
+/// Marks the group aborted by `rank` and wakes every waiter (even one that has not
+/// registered as a sleeper yet: its snapshot of the word then differs).
 pub fn abort(seg: &Segment, rank: usize) {
     let _ = seg.group().aborted.compare_exchange(0, rank as u32 + 1, Ordering::SeqCst, Ordering::SeqCst);
-    wake_sleepers(seg.group());
-    // wake_sleepers only wakes when someone sleeps; wake unconditionally as well.
-    seg.group().wake.fetch_add(1, Ordering::SeqCst);
-    futex_wake(&seg.group().wake);
+    doorbell(seg.group()).ring(true);
 }
 
 /// Returns the rank that aborted the group, if any. The value is read from shared memory
@@ -172,14 +144,14 @@ pub fn counter_out_of_range(rank: usize, value: u64, step: u64) -> Option<String
 }
 
 /// Checks every rank's arrival counter ([`counter_out_of_range`]) and process id
-/// ([`segment::valid_pid`], or 0 before it attached): values another process wrote into
+/// ([`valid_pid`], or 0 before it attached): values another process wrote into
 /// shared memory. `Aborted` naming the rank and the value otherwise.
 fn check_counters(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     for r in 0..seg.world_size() {
         let c = seg.ctrl(r);
         let bad = counter_out_of_range(r, c.arrived.load(Ordering::Acquire), step).or_else(|| {
             let pid = c.pid.load(Ordering::Relaxed);
-            (pid != 0 && !segment::valid_pid(pid)).then(|| format!("rank {r}'s control block is corrupt: pid {pid}"))
+            (pid != 0 && !valid_pid(pid)).then(|| format!("rank {r}'s control block is corrupt: pid {pid}"))
         });
         if let Some(m) = bad {
             return Err(Error::Aborted(format!("{} #{} (step {step}): {m}", ctx.what, ctx.seq)));
@@ -193,45 +165,17 @@ fn wait_arrivals(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     if all_in() {
         return Ok(());
     }
-    let start = Instant::now();
-    // Phase 1: spin, unless a missing peer last ran on our CPU: then it cannot make
-    // progress while we spin, so give the CPU away at once.
+    // A missing peer that last ran on our CPU cannot make progress while we spin.
     let cpu = current_cpu();
     let shares_cpu =
         (0..seg.world_size()).any(|r| seg.ctrl(r).arrived.load(Ordering::Relaxed) < step && seg.ctrl(r).cpu.load(Ordering::Relaxed) == cpu);
-    if !shares_cpu {
-        loop {
-            for _ in 0..64 {
-                std::hint::spin_loop();
-                if all_in() {
-                    return Ok(());
-                }
-            }
-            if start.elapsed() >= SPIN {
-                break;
-            }
-        }
-    }
-    // Phase 2: yield.
-    while start.elapsed() < SPIN + YIELD {
-        std::thread::yield_now();
-        if all_in() {
-            return Ok(());
-        }
-    }
-    // Phase 3: sleep on the futex, checking abort / liveness / interrupt / deadline.
-    let g = seg.group();
-    loop {
-        check_stop(seg, step, ctx)?;
-        // Register as a sleeper, then (after a full fence) snapshot the futex word and
-        // re-check the condition: see "Sleeping and waking" in the module docs. An abort
-        // that bumped `wake` before our snapshot would not end the futex wait: re-check
-        // the flag after the snapshot too (`check_stop` then reports it).
-        let left = ctx.deadline.saturating_duration_since(Instant::now());
-        if doorbell(g).sleep(left.min(SLEEP_SLICE), all_in, || aborted_by(seg).is_some()) {
-            return Ok(());
-        }
-    }
+    // An abort that bumped `wake` before the sleeper's snapshot would not end its futex
+    // wait: it re-checks the flag after the snapshot too (`check_stop` then reports it).
+    Waiter::new(doorbell(seg.group()), ctx.deadline).skip_spin(shares_cpu).until(
+        all_in,
+        || check_stop(seg, step, ctx),
+        || aborted_by(seg).is_some(),
+    )
 }
 
 fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
@@ -242,7 +186,7 @@ fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
         .iter()
         .filter_map(|&r| {
             let pid = seg.ctrl(r).pid.load(Ordering::Relaxed);
-            segment::pid_dead(pid).then(|| format!("rank {r} (pid {pid})"))
+            pid_dead(pid).then(|| format!("rank {r} (pid {pid})"))
         })
         .collect();
     if !dead.is_empty() {
@@ -262,68 +206,6 @@ fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
         return Err(Error::Timeout(format!("{} within the timeout of {:.3} s", head(&m), ctx.timeout.as_secs_f64())));
     }
     Ok(())
-}
-
-/// The futex word and sleeper count of one wait queue in shared memory, and the two
-/// halves of the protocol in "Sleeping and waking" (module docs) on them. Both the group
-/// line (`wake`, `sleepers`) and each point-to-point ring (`bell`, `sleepers`) use it, so
-/// the ordering that keeps a sleeper from missing its wake is written once, here.
-pub(crate) struct Doorbell<'a> {
-    pub word: &'a AtomicU32,
-    pub sleepers: &'a AtomicU32,
-}
-
-impl Doorbell<'_> {
-    /// The waker's half, called after the store that changes a sleeper's condition: wake
-    /// the sleepers if any (every one if `force`, which also bumps the word when nobody is
-    /// registered yet, so that a sleeper's snapshot taken before it differs).
-    pub fn ring(&self, force: bool) {
-        // This SeqCst fence, between the caller's store and our read of `sleepers`, pairs
-        // with the sleeper's fence between its registration and its re-check (Dekker).
-        fence(Ordering::SeqCst);
-        if force || self.sleepers.load(Ordering::SeqCst) > 0 {
-            self.word.fetch_add(1, Ordering::SeqCst);
-            futex_wake(self.word);
-        }
-    }
-
-    /// The sleeper's half: register, fence, snapshot the word, re-check `done()`, and
-    /// sleep at most `timeout` unless it held (or `skip()` says not to). Returns whether
-    /// `done()` held at the re-check or after waking; the caller loops (between slices it
-    /// checks deadlines, aborts and peers).
-    pub fn sleep(&self, timeout: Duration, done: impl Fn() -> bool, skip: impl Fn() -> bool) -> bool {
-        self.sleepers.fetch_add(1, Ordering::SeqCst);
-        // Without this fence the (Acquire) loads of `done()` could be satisfied before the
-        // increment above is visible to the waker (allowed by the memory model, and by
-        // weakly ordered CPUs such as aarch64 with RCpc loads), and both would miss.
-        fence(Ordering::SeqCst);
-        let w = self.word.load(Ordering::SeqCst);
-        let held = done();
-        if !held && !skip() {
-            futex_wait(self.word, w, timeout);
-        }
-        self.sleepers.fetch_sub(1, Ordering::SeqCst);
-        held || done()
-    }
-}
-
-/// Sleeps while `*word == expected`, at most `timeout`. Spurious returns are fine: the
-/// caller re-checks its condition.
-pub(crate) fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
-    let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
-    // SAFETY: `word` is a valid, 4-byte aligned u32 in a shared mapping (so the
-    // non-private futex op is the right one); `ts` outlives the call.
-    unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec, 0usize, 0u32);
-    }
-}
-
-/// Wakes every thread sleeping in [`futex_wait`] on `word`, in any process.
-pub(crate) fn futex_wake(word: &AtomicU32) {
-    // SAFETY: as in `futex_wait`; waking has no memory-safety preconditions.
-    unsafe {
-        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX, 0usize, 0usize, 0u32);
-    }
 }
 
 // ----- control-block accessors ----------------------------------------------------
@@ -356,7 +238,7 @@ pub fn attached(seg: &Segment) -> usize {
 
 /// The process id rank `r` published (0 before it attached). Acquire: pairs with the
 /// claiming swap. The value comes from shared memory: callers only print it or test
-/// liveness with it ([`segment::pid_dead`]).
+/// liveness with it ([`pid_dead`]).
 pub fn pid_of(seg: &Segment, r: usize) -> u32 {
     seg.ctrl(r).pid.load(Ordering::Acquire)
 }
@@ -372,7 +254,7 @@ pub fn exited(seg: &Segment, ranks: impl IntoIterator<Item = usize>) -> Vec<Stri
         .into_iter()
         .filter_map(|r| {
             let pid = pid_of(seg, r);
-            segment::pid_dead(pid).then(|| format!("rank {r} (pid {pid})"))
+            pid_dead(pid).then(|| format!("rank {r} (pid {pid})"))
         })
         .collect()
 }
@@ -425,80 +307,4 @@ pub fn publish_cma(seg: &Segment, rank: usize, v: u64) {
 /// Rank `q`'s published single-copy verdict, after `wait_all` for its step.
 pub fn read_cma(seg: &Segment, q: usize) -> u64 {
     seg.ctrl(q).cma.load(Ordering::Relaxed)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::{AtomicBool, AtomicU64};
-    use std::sync::Arc;
-
-    struct Shared {
-        word: AtomicU32,
-        sleepers: AtomicU32,
-        turn: AtomicU64,
-        lost: AtomicBool,
-    }
-
-    impl Shared {
-        fn bell(&self) -> Doorbell<'_> {
-            Doorbell { word: &self.word, sleepers: &self.sleepers }
-        }
-
-        /// Waits until `turn` reaches `want`; a sleep that runs to its timeout although
-        /// the peer changes `turn` at once is a lost wake: record it and give up.
-        fn wait_turn(&self, want: u64) -> bool {
-            const TIMEOUT: Duration = Duration::from_secs(2);
-            while !self.lost.load(Ordering::SeqCst) {
-                let t0 = Instant::now();
-                if self.bell().sleep(TIMEOUT, || self.turn.load(Ordering::Acquire) >= want, || false) {
-                    return true;
-                }
-                if t0.elapsed() >= TIMEOUT {
-                    self.lost.store(true, Ordering::SeqCst);
-                }
-            }
-            false
-        }
-
-        fn pass(&self, turn: u64) {
-            self.turn.store(turn, Ordering::Release);
-            self.bell().ring(false);
-        }
-    }
-
-    /// A sleeper and a waker hand a counter back and forth 2000 times through one
-    /// [`Doorbell`]; each side sleeps right away (no spinning), so most hand-overs go
-    /// through the futex, and one lost wake fails the test after one 2 s timeout.
-    #[test]
-    fn doorbell_never_sleeps_through_a_ring() {
-        const ROUNDS: u64 = 2000;
-        let s = Arc::new(Shared {
-            word: AtomicU32::new(0),
-            sleepers: AtomicU32::new(0),
-            turn: AtomicU64::new(0),
-            lost: AtomicBool::new(false),
-        });
-        let peer = {
-            let s = Arc::clone(&s);
-            std::thread::spawn(move || {
-                for i in 0..ROUNDS {
-                    if !s.wait_turn(2 * i + 1) {
-                        return;
-                    }
-                    s.pass(2 * i + 2);
-                }
-            })
-        };
-        for i in 0..ROUNDS {
-            s.pass(2 * i + 1);
-            if !s.wait_turn(2 * i + 2) {
-                break;
-            }
-        }
-        s.lost.load(Ordering::SeqCst).then(|| s.pass(u64::MAX)); // let a waiting peer go
-        peer.join().unwrap();
-        assert!(!s.lost.load(Ordering::SeqCst), "a sleep ran to its timeout although the condition had changed");
-        assert_eq!(s.sleepers.load(Ordering::SeqCst), 0);
-    }
 }

@@ -34,10 +34,11 @@
 //! such a send does not time out), while the ring lets up to `slots` chunks go ahead of the
 //! receiver.
 //!
-//! Waiting spins briefly, yields, then sleeps on a per-ring futex word (`bell`, bumped only
-//! when someone sleeps) in slices of at most [`SLEEP_SLICE`], checking between slices the
-//! deadline, the local and shared abort flags, the peer's closed flag and the peer's process
-//! (`crate::segment::pid_dead`). Errors name the peer as the caller described it.
+//! Waiting is a `crate::shm::wait::Waiter`, as for the group's steps: it spins briefly,
+//! yields, then sleeps on a per-ring futex word (`bell`, bumped only when someone sleeps)
+//! in bounded slices, checking between slices the deadline, the local and shared abort
+//! flags, the peer's closed flag and the peer's process (`crate::shm::wait::pid_dead`).
+//! Errors name the peer as the caller described it.
 //!
 //! Lifetime: one rank creates the file ([`create`]) and publishes the path out of band (the
 //! group's store); both sides open it ([`Channel::open`]); the second to attach unlinks it. A
@@ -45,9 +46,9 @@
 //! pair files of this user whose creator process is gone, so a job killed during set-up
 //! leaks at most until the next channel is created.
 //!
-//! Files: `pair.rs`, the pair segment's layout, geometry checks, creation and sweep; this
+//! Files: `pair.rs`, the pair segment's layout, file format and geometry checks; this
 //! file, a [`Channel`]'s lifecycle (open, close, abort) and how it waits; `transfer.rs`,
-//! sending and receiving; `tests.rs`. Every wait sleeps through `crate::sync::Doorbell`.
+//! sending and receiving; `tests.rs`.
 
 mod pair;
 #[cfg(test)]
@@ -57,10 +58,11 @@ mod transfer;
 pub use pair::*;
 
 use crate::error::{Error, Result};
-use crate::sync::Doorbell;
-use memmap2::{MmapOptions, MmapRaw};
+use crate::shm::file;
+use crate::shm::wait::{pid_dead, Doorbell, Waiter};
+use crate::shm::{LINE, PAGE};
+use memmap2::MmapRaw;
 use std::collections::VecDeque;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -143,34 +145,13 @@ impl Channel {
         if side > 1 {
             return Err(Error::InvalidArgument(format!("side: expected 0 or 1, got {side}")));
         }
-        let ctx = |what: &str| format!("p2p segment {}: {what}", path.display());
-        let (file, meta) = crate::segment::open_private(path, &ctx)?;
-        let uid = meta.uid();
-        let bad = |m: String| Error::InvalidArgument(ctx(&m));
-        let h = read_header(&file, meta.len()).ok_or_else(|| bad(format!("too small ({} bytes) for a header", meta.len())))?;
-        if h.magic != MAGIC {
-            return Err(bad(format!("bad magic {:#x}; not a flagos_shm p2p segment", h.magic)));
-        }
-        if h.version != VERSION {
-            return Err(bad(format!("protocol version {} but this build speaks {VERSION}", h.version)));
-        }
-        if h.creator_uid != uid {
-            return Err(bad(format!("created by uid {} but this process runs as uid {uid}", h.creator_uid)));
-        }
-        let slots = h.slots as usize;
-        let slot_bytes = usize::try_from(h.slot_bytes).map_err(|_| bad(format!("slot_bytes {} out of range", h.slot_bytes)))?;
-        check_geometry(slots, slot_bytes).map_err(|e| bad(format!("header: {e}")))?;
-        let total = segment_bytes(slots, slot_bytes);
-        if h.total_bytes != total as u64 || meta.len() != total as u64 {
-            return Err(bad(format!("header says {} bytes, the file has {}, the geometry needs {total}", h.total_bytes, meta.len())));
-        }
-        let map = MmapOptions::new().len(total).map_raw(&file).map_err(|e| Error::io(ctx("cannot map"), e))?;
+        let m = file::open(&FORMAT, path, None)?;
         let ch = Channel {
-            map,
+            map: m.map,
             path: path.to_path_buf(),
             side,
-            slots,
-            slot_bytes,
+            slots: m.geometry.count,
+            slot_bytes: m.geometry.slot_bytes,
             peer_pid,
             peer: peer.to_owned(),
             unlinked: AtomicBool::new(false),
@@ -204,9 +185,9 @@ impl Channel {
 
     fn unlink(&self) {
         if !self.unlinked.swap(true, Ordering::AcqRel) {
-            let _ = std::fs::remove_file(&self.path);
+            // Also releases the creator's lock, if this process created the file.
+            let _ = file::unlink(&self.path);
         }
-        crate::segment::release_creator_lock(&self.path); // if this process created it
     }
 
     fn pair(&self) -> &PairLine {
@@ -283,7 +264,7 @@ impl Channel {
             return Err(Error::Aborted(format!("{}: the channel was aborted on this rank", head())));
         }
         let pair = self.pair();
-        if crate::segment::pid_dead(self.peer_pid) {
+        if pid_dead(self.peer_pid) {
             return Err(Error::PeerDied(format!("{}: the peer (pid {}) exited", head(), self.peer_pid)));
         }
         if pair.aborted.load(Ordering::Acquire) != 0 {
@@ -307,29 +288,7 @@ impl Channel {
         // came before the flag we saw (Acquire), so look once more before failing.
         let stop = || self.check_stop(w).or_else(|e| if cond() { Ok(()) } else { Err(e) });
         stop()?;
-        let start = Instant::now();
-        while start.elapsed() < SPIN {
-            for _ in 0..64 {
-                std::hint::spin_loop();
-            }
-            if cond() {
-                return Ok(());
-            }
-        }
-        while start.elapsed() < SPIN + YIELD {
-            std::thread::yield_now();
-            if cond() {
-                return Ok(());
-            }
-        }
-        let bell = self.doorbell(d);
-        loop {
-            stop()?;
-            let left = w.deadline.saturating_duration_since(Instant::now());
-            if bell.sleep(left.min(SLEEP_SLICE), &cond, || false) {
-                return Ok(());
-            }
-        }
+        Waiter::new(self.doorbell(d), w.deadline).until(&cond, stop, || false)
     }
 
     fn ready(&self) -> Result<()> {

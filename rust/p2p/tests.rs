@@ -144,10 +144,10 @@ fn a_new_pair_file_is_complete_and_locked_by_its_creator() {
     let dir = tempdir::Dir::new();
     let path = create(&dir.0, DEFAULT_SLOTS, DEFAULT_SLOT_BYTES).unwrap();
     let f = std::fs::File::open(&path).unwrap();
-    assert!(!crate::segment::try_lock_exclusive(&f), "the creator holds the file's lock");
-    let h = read_header(&f, f.metadata().unwrap().len()).expect("a header");
-    assert_eq!((h.magic, h.slots as usize, h.creator_pid), (MAGIC, DEFAULT_SLOTS, std::process::id()));
-    assert!(remove_stale(&dir.0).is_empty(), "a live creator's file is never swept");
-    crate::segment::release_creator_lock(&path);
+    assert!(!file::try_lock_exclusive(&f), "the creator holds the file's lock");
+    let h = file::read_header(&f, f.metadata().unwrap().len()).expect("a header");
+    assert_eq!((h.magic, h.count as usize, h.creator_pid), (MAGIC, DEFAULT_SLOTS, std::process::id()));
+    assert!(file::remove_stale(&FORMAT, &dir.0).is_empty(), "a live creator's file is never swept");
+    file::release_creator_lock(&path);
     std::fs::remove_file(&path).unwrap();
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 impl Channel {
     /// Sends the bytes of `buf` as one message with `tag`; returns once the peer's matching
-    /// receive has acknowledged it. See [`Channel::send_raw`] for the errors.
+    /// receive has acknowledged it. See `Channel::send_raw` for the errors.
     pub fn send(&self, buf: &Buf<'_>, tag: i64, timeout: Duration) -> Result<()> {
         // SAFETY: a `Buf` is valid for `len()` bytes while it lives (`buffer` module docs),
         // and it is borrowed for the whole call.
@@ -18,7 +18,7 @@ impl Channel {
     }
 
     /// Receives the next message with `tag` into `buf` (exactly its length). See
-    /// [`Channel::recv_raw`] for the errors; `InvalidArgument` for a read-only `buf`.
+    /// `Channel::recv_raw` for the errors; `InvalidArgument` for a read-only `buf`.
     pub fn recv(&self, buf: &Buf<'_>, tag: i64, timeout: Duration) -> Result<()> {
         writable(buf)?;
         // SAFETY: as in `send`; `buf` is writable (checked above).
@@ -26,7 +26,7 @@ impl Channel {
     }
 
     /// Like [`Channel::recv`] but returns `Ok(false)` at once when no message with `tag` is
-    /// there yet (see [`Channel::try_recv_raw`]).
+    /// there yet (see `Channel::try_recv_raw`).
     pub fn try_recv(&self, buf: &Buf<'_>, tag: i64, timeout: Duration) -> Result<bool> {
         writable(buf)?;
         // SAFETY: as in `recv`.
@@ -118,12 +118,12 @@ impl Channel {
         unsafe { self.recv_locked(&mut rx, ptr, nbytes, tag, timeout, true) }.map(|_| ())
     }
 
-    /// Like [`Channel::recv_raw`] but returns `Ok(false)` at once when no message with `tag` is
+    /// Like `Channel::recv_raw` but returns `Ok(false)` at once when no message with `tag` is
     /// available yet (ring empty after setting aside other tags' messages) or another
     /// thread is receiving on this channel; a message once started is read to its end.
     ///
     /// # Safety
-    /// As [`Channel::recv_raw`].
+    /// As `Channel::recv_raw`.
     unsafe fn try_recv_raw(&self, ptr: *mut u8, nbytes: usize, tag: i64, timeout: Duration) -> Result<bool> {
         self.ready()?;
         let mut rx = match self.rx.try_lock() {

@@ -1,11 +1,11 @@
 //! bfloat16 and float16 reduction kernels for x86-64: AVX2, plus F16C for float16. Chosen
 //! at run time by [`reduce_raw`](super::reduce_raw) when [`available`] says the CPU has the
-//! features; otherwise the generic kernels in `reduce.rs` run (and always on aarch64).
+//! features; otherwise the generic kernels in `reduce/mod.rs` run (and always on aarch64).
 //!
 //! Semantics, bit for bit the same as the generic kernels (and as converting each element
 //! with `half`'s `to_f32`, combining in float32 and converting back with `from_f32`; only
 //! which payload survives a step that meets two NaNs is left open, as the module docs of
-//! `reduce.rs` say). Tested in `rust/tests/half_kernels.rs`; speed in docs/benchmark.md.
+//! `reduce/mod.rs` say). Tested in `rust/tests/half_kernels.rs`; speed in docs/benchmark.md.
 //! - Each source element is widened to float32 exactly. bfloat16: its 16 bits become the
 //!   high half of the float32. float16: `VCVTPH2PS` (exact for every value, subnormals
 //!   included; a NaN keeps its sign and payload and gets the quiet bit, as `f16::to_f32`).

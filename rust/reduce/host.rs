@@ -23,7 +23,7 @@ fn overlap(a: &Buf<'_>, b: &Buf<'_>, n: usize) -> bool {
 }
 
 /// `dst = srcs[0] op srcs[1] op ... op srcs[k-1]` over `numel` elements of `red.dtype`,
-/// combined in list order with the collectives' rules (module docs of `reduce.rs`: AVG
+/// combined in list order with the collectives' rules (module docs of `reduce/mod.rs`: AVG
 /// divides by `red.world`, PREMUL_SUM scales every source by `red.factor`, float16 and
 /// bfloat16 accumulate in float32). `dst` may be one of the sources exactly (same start)
 /// and must not otherwise overlap one; sources may overlap each other.

@@ -545,11 +545,11 @@ fn the_sweep_removes_only_segments_whose_creator_lock_is_free() {
     // creator_pid sits after magic (8), version (4), world_size (4), slot_bytes (8),
     // total_bytes (8) and creator_uid (4).
     corrupt(&live, 36, &dead_pid.to_ne_bytes());
-    segment::release_creator_lock(&gone);
+    flagos_shm::shm::file::release_creator_lock(&gone);
     assert_eq!(segment::remove_stale(&dir), vec![gone.clone()]);
     assert!(live.exists() && !gone.exists());
     std::fs::remove_file(&live).unwrap();
-    segment::release_creator_lock(&live);
+    flagos_shm::shm::file::release_creator_lock(&live);
     std::fs::remove_dir(&dir).unwrap();
 }
 

@@ -15,7 +15,8 @@
 
 use flagos_shm::algorithms::{check_peer_desc, Desc, Transfer, ATTACH_STEPS};
 use flagos_shm::reduce::{DType, ReduceOp};
-use flagos_shm::segment::{self, Segment, DESC_WORDS, HEADER_BYTES, MAGIC, NAME_PREFIX, VERSION};
+use flagos_shm::segment::{self, Segment, DESC_WORDS, MAGIC, NAME_PREFIX, VERSION};
+use flagos_shm::shm::file::HEADER_BYTES;
 use flagos_shm::{Buf, Communicator, Error, Kind};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -211,7 +212,7 @@ fn random_headers_validate_only_when_valid() {
         prop_assert_eq!(r.is_ok(), want, "{:?} world {} len {}: {:?}", f, w, file_len, r);
         match r {
             Ok(g) => {
-                prop_assert_eq!((g.world_size, g.slot_bytes, g.total_bytes as u64), (w, f.slot as usize, file_len));
+                prop_assert_eq!((g.count, g.slot_bytes, g.total_bytes as u64), (w, f.slot as usize, file_len));
             }
             Err(Error::InvalidArgument(m)) => prop_assert!(!m.is_empty()),
             Err(e) => prop_assert!(false, "unexpected error kind {:?}", e),
