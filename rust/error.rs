@@ -1,5 +1,5 @@
 //! Error type of the core. Each variant maps to one Python exception class in
-//! `binding.rs`: `InvalidArgument` and `Mismatch` to `ValueError`, `Unsupported` to
+//! `binding/errors.rs`: `InvalidArgument` and `Mismatch` to `ValueError`, `Unsupported` to
 //! `TypeError`, `Io` to `OSError`, and the rest to `RuntimeError`.
 
 use thiserror::Error;

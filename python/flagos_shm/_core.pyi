@@ -1,7 +1,7 @@
-"""Type stubs of ``flagos_shm._core``, the Rust core's Python binding (``rust/binding.rs``,
-``rust/binding/``). Pointers are addresses of host memory (``tensor.data_ptr()``), counted
-with their byte lengths (``*nbytes``), which the core checks before touching anything; sizes
-are bytes, times seconds. Dtypes are the names in :data:`DTYPES`; ``op`` is a
+"""Type stubs of ``flagos_shm._core``, the Rust core's Python binding (``rust/binding/``).
+Pointers are addresses of host memory (``tensor.data_ptr()``), counted with their byte
+lengths (``*nbytes``), which the core checks before touching anything; sizes are bytes,
+times seconds. Dtypes are the names in :data:`DTYPES`; ``op`` is a
 ``torch.distributed.ReduceOp`` code. ``tests/test_core_stub.py`` checks this file against
 the compiled module (names and parameters).
 
