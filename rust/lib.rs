@@ -16,7 +16,6 @@ pub mod algorithms;
 pub mod buffer;
 pub mod cma;
 pub mod desc;
-pub mod env;
 pub mod error;
 pub mod group;
 pub mod p2p;

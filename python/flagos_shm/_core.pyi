@@ -45,7 +45,9 @@ class Communicator:
     """One rank's attachment to a node's group segment."""
 
     def __init__(self, path: str, rank: int, world_size: int, timeout_s: float,
-                 peer_pids: Optional[List[int]] = None) -> None: ...
+                 peer_pids: Optional[List[int]] = None, single_copy: bool = True,
+                 single_copy_min_bytes: Optional[int] = None, stream: str = "auto",
+                 progress_batch: bool = True) -> None: ...
     @property
     def rank(self) -> int: ...
     @property

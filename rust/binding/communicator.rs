@@ -9,6 +9,7 @@ use super::convert::{
 use super::errors::{to_py, Pending};
 use crate::algorithms::{AbortHandle, Communicator, Kind};
 use crate::error::Error;
+use crate::group::Settings;
 use crate::progress::{self, Progress};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
@@ -18,16 +19,23 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// One rank's handle on a group's shared-memory segment (see `rust/algorithms.rs`).
+/// One rank's handle on a group's shared-memory segment (see `rust/algorithms/`).
 ///
-/// `Communicator(path, rank, world_size, timeout_s, peer_pids=None)` maps the segment at
+/// `Communicator(path, rank, world_size, timeout_s, peer_pids=None, single_copy=True,
+/// single_copy_min_bytes=None, stream="auto", progress_batch=True)` maps the segment at
 /// `path`, checks its header, waits until all `world_size` ranks attached (at most
 /// `timeout_s` seconds; `RuntimeError` at once if a rank whose process id is in
 /// `peer_pids`, a list indexed by rank with 0 for unknown, exits before attaching) and
-/// unlinks the file. Collectives take buffer addresses, each followed by its length in
-/// bytes, and element counts; `dtype` is
-/// a torch dtype name, `op` torch's `RedOpType` number, `factor` PREMUL_SUM's factor,
-/// `timeout_s` overrides the communicator's timeout for one call.
+/// unlinks the file. The keywords are this rank's settings (`rust/group.rs`, `Settings`;
+/// the core reads no environment, `flagos_shm.backend.config.core_settings` reads them):
+/// `single_copy` False turns single-copy transfers off for the group, `single_copy_min_bytes`
+/// (bytes; the group takes the largest) replaces the plan's single-copy thresholds, `stream`
+/// is the first `stream_mode`, `progress_batch` False keeps the progress thread off
+/// `SCHED_BATCH`. ValueError naming `stream` for a word other than "plain", "stream", "auto".
+///
+/// Collectives take buffer addresses, each followed by its length in bytes, and element
+/// counts; `dtype` is a torch dtype name, `op` torch's `RedOpType` number, `factor`
+/// PREMUL_SUM's factor, `timeout_s` overrides the communicator's timeout for one call.
 #[pyclass(name = "Communicator", module = "flagos_shm._core")]
 pub(super) struct PyCommunicator {
     /// Closed and dropped only in the process that created it; see `Drop` (a forked
@@ -48,7 +56,7 @@ pub(super) struct PyCommunicator {
     slot_bytes: usize,
     #[pyo3(get)]
     segment_bytes: usize,
-    /// Whether every rank can read every peer's memory (probed at attach; `FLAGOS_SHM_CMA`).
+    /// Whether every rank can read every peer's memory (probed at attach; `single_copy`).
     #[pyo3(get)]
     single_copy_available: bool,
     #[pyo3(get)]
@@ -193,9 +201,23 @@ macro_rules! communicator_methods {
 communicator_methods! {
     methods {
         #[new]
-        #[pyo3(signature = (path, rank, world_size, timeout_s, peer_pids=None))]
-        fn new(py: Python<'_>, path: &str, rank: usize, world_size: usize, timeout_s: f64, peer_pids: Option<Vec<u32>>) -> PyResult<Self> {
+        #[pyo3(signature = (path, rank, world_size, timeout_s, peer_pids=None, single_copy=true, single_copy_min_bytes=None,
+                            stream="auto", progress_batch=true))]
+        #[allow(clippy::too_many_arguments)]
+        fn new(
+            py: Python<'_>,
+            path: &str,
+            rank: usize,
+            world_size: usize,
+            timeout_s: f64,
+            peer_pids: Option<Vec<u32>>,
+            single_copy: bool,
+            single_copy_min_bytes: Option<usize>,
+            stream: &str,
+            progress_batch: bool,
+        ) -> PyResult<Self> {
             let timeout = duration("timeout_s", timeout_s)?;
+            let settings = Settings { single_copy, single_copy_min_bytes, stream: stream_mode("stream", stream)?, progress_batch };
             let p = path.to_owned();
             let pending: Pending = Arc::new(Mutex::new(None));
             let hook_pending = Arc::clone(&pending);
@@ -213,7 +235,7 @@ communicator_methods! {
             };
             let mut comm = py
                 .detach(|| {
-                    Communicator::attach_with(Path::new(&p), rank, world_size, timeout, Some(&hook), peer_pids.as_deref().unwrap_or(&[]))
+                    Communicator::attach_with(Path::new(&p), rank, world_size, timeout, Some(&hook), peer_pids.as_deref().unwrap_or(&[]), settings)
                 })
                 .map_err(|e| to_py(e, Some(&pending)))?;
             comm.set_interrupt(Some(Box::new(hook)));
@@ -283,8 +305,7 @@ communicator_methods! {
         }
 
         /// How this rank copies into its slots: `"plain"`, `"stream"` or `"auto"`
-        /// (`FLAGOS_SHM_STREAM`, read at attach, or the last `set_stream_mode`;
-        /// `rust/stream.rs`).
+        /// (the constructor's `stream`, or the last `set_stream_mode`; `rust/stream.rs`).
         #[getter]
         fn stream_mode(&self, py: Python<'_>) -> PyResult<&'static str> {
             self.run(py, None, |c| Ok(c.stream_mode().name()))

@@ -111,7 +111,8 @@ def attach(layout, timeout_s: float, where: str):
     """
     path = layout.path
     try:
-        return _core.Communicator(path, layout.local_rank, layout.local_size, timeout_s, layout.pids)
+        return _core.Communicator(path, layout.local_rank, layout.local_size, timeout_s, layout.pids,
+                                  **config.core_settings())
     except FileNotFoundError as exc:  # the others removed it: they gave up before we attached
         raise RuntimeError(f"{where}: attaching to {path}: the segment is gone: the other ranks gave up "
                            "setting up the group before this rank attached (a rank exited, or the timeout "
