@@ -212,3 +212,21 @@ def with_context(exc: Exception, message: str) -> Exception:
         return type(exc)(message)
     except Exception:  # noqa: BLE001  an exception type with another constructor
         return RuntimeError(message)
+
+
+def disagreement(message: str, kind: str, rank: int, peer: int, expected, got, pairs: int | None = None) -> ValueError:
+    """``ValueError(message)`` with the fields the core's binding sets on a disagreement
+    (``rust/binding/errors.rs``), for the hierarchy's own checks to raise the same shape.
+
+    Args:
+        kind: ``"counts"`` (per-peer counts) or ``"calls"`` (different calls at one position).
+        rank, peer: the two ranks (group ranks; node indices between node leaders).
+        expected, got: counts: elements ``peer`` expects from ``rank`` and ``rank`` sends it;
+            calls: the collective kind names ``rank`` and ``peer`` called.
+        pairs: counts only: how many pairs disagree.
+    """
+    exc = ValueError(message)
+    exc.kind, exc.rank, exc.peer, exc.expected, exc.got = kind, rank, peer, expected, got
+    if pairs is not None:
+        exc.pairs = pairs
+    return exc

@@ -482,7 +482,7 @@ class CollectiveBase:
 
     def _error(self, name: str, exc: Exception) -> Exception:
         """Re-create ``exc`` with the group, rank and collective in its message."""
-        detail = alltoall_errors.name_arguments(name, str(exc))
+        detail = alltoall_errors.name_arguments(name, exc)
         message = f"flagos_shm {name} on group {self._group_name!r} (rank {self._rank}/{self._world_size}): {detail}"
         try:
             wrapped = type(exc)(message)

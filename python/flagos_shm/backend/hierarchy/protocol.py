@@ -29,6 +29,11 @@ _ALLTOALL_NAMES = ("alltoall", "all_to_all_single", "alltoall_base", "alltoallv"
 _HEADER = 6  # fields of a descriptor after the failure flag (kind, count, dtype, op, root, factor)
 
 
+def _kind_name(code: int) -> str:
+    """The name of descriptor kind ``code`` (its number when it is none of :data:`_KINDS`)."""
+    return _KINDS[code - 1] if 0 < code <= len(_KINDS) else str(code)
+
+
 def factor_code(op: int, factor: float) -> int:
     """The descriptor's factor field: PREMUL_SUM's factor as the int64 of its float64 bits
     (so that nodes that scale by different factors disagree, as ranks of one node do in
@@ -72,14 +77,17 @@ class Protocol:
         if bad:
             raise ValueError(f"flagos_shm {_KINDS[header[0] - 1]}: {', '.join(map(who, bad))} rejected the call "
                              "(a rank there failed it; see its error)")
-        if not bool((rows[:, 1:] == mine[1:]).all()):
+        differ = [k for k in range(rows.shape[0]) if not bool((rows[k, 1:] == mine[1:]).all())]
+        if differ:
             calls = "; ".join(f"{who(k)}: {self._describe(rows[k, 1:].tolist())}" for k in range(rows.shape[0]))
-            raise ValueError(f"flagos_shm: ranks disagree on the collective (kind, element count, dtype, op, "
-                             f"PREMUL_SUM factor, root): {calls}")
+            me = self._node_of[self._rank] if group == "leaders" else self._rank
+            raise options.disagreement(f"flagos_shm: ranks disagree on the collective (kind, element count, dtype, "
+                                       f"op, PREMUL_SUM factor, root): {calls}", "calls", me, differ[0],
+                                       _kind_name(header[0]), _kind_name(int(rows[differ[0], 1])))
 
     @staticmethod
     def _describe(h: list) -> str:
-        kind = _KINDS[h[0] - 1] if 0 < h[0] <= len(_KINDS) else h[0]
+        kind = _kind_name(h[0])
         dtype = next((n for n, c in _DTYPE_CODE.items() if c == h[2]), h[2])
         if kind == "alltoall":  # element count -1: per-peer counts (alltoallv), exchanged next
             return (f"alltoallv({dtype}, per-peer counts: split sizes or tensor lists)" if h[1] == -1 else
