@@ -17,6 +17,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 __version__: str
 #: The core's dtype names, in its order (``rust/reduce.rs``, ``DType::ALL``).
 DTYPES: List[str]
+#: The core's vocabulary, each in code order (``rust/binding/mod.rs``, ``add_vocabulary``):
+#: dtype name to its descriptor code; reduce-op name to torch's ``RedOpType`` code; dtype name
+#: to the codes of the ops the core defines on it; collective kind name to its descriptor code.
+DTYPE_CODES: Dict[str, int]
+REDUCE_OPS: Dict[str, int]
+REDUCE_OP_DTYPES: Dict[str, List[int]]
+KINDS: Dict[str, int]
 #: Bytes per chunk slot on a large enough file system; ``SMALL_SLOT_BYTES`` otherwise.
 DEFAULT_SLOT_BYTES: int
 SMALL_SLOT_BYTES: int

@@ -23,11 +23,12 @@
 //! the multi-node hierarchy) in `reduce.rs`; the mapping of the core's errors to exceptions
 //! in `errors.rs`, and of Python values to the core's types in `convert.rs`.
 
-use crate::algorithms::ONE_SHOT_MAX_BYTES;
-use crate::reduce::DType;
+use crate::algorithms::{Kind, ONE_SHOT_MAX_BYTES};
+use crate::reduce::{DType, ReduceOp, Reduction};
 use crate::segment::{self, DEFAULT_SLOT_BYTES};
 use errors::py_result;
 use pyo3::prelude::*;
+use pyo3::types::IntoPyDict;
 use std::path::Path;
 
 mod communicator;
@@ -72,6 +73,23 @@ fn segment_bytes(world_size: usize, slot_bytes: usize) -> PyResult<usize> {
     Ok(segment::segment_bytes(world_size, slot_bytes))
 }
 
+/// The core's vocabulary, for Python to derive its tables from (each a dict in code order):
+/// `DTYPE_CODES` (dtype name to the code in descriptors), `REDUCE_OPS` (op name to torch's
+/// `RedOpType` code), `REDUCE_OP_DTYPES` (dtype name to the codes of the ops it takes, by
+/// `Reduction::new`), `KINDS` (collective kind name to its descriptor code).
+fn add_vocabulary(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let dtypes: Vec<(&str, u32)> = DType::ALL.iter().map(|&d| (d.name(), d as u32)).collect();
+    let ops: Vec<(&str, u32)> = ReduceOp::ALL.iter().map(|&o| (o.name(), o as u32)).collect();
+    let takes = |d: DType| ReduceOp::ALL.iter().filter(|&&o| Reduction::new(d, o, 1.0, 1).is_ok()).map(|&o| o as u32).collect::<Vec<_>>();
+    let rules: Vec<(&str, Vec<u32>)> = DType::ALL.iter().map(|&d| (d.name(), takes(d))).collect();
+    let kinds: Vec<(&str, u8)> = Kind::ALL.iter().map(|&k| (k.name(), k as u8)).collect();
+    m.add("DTYPE_CODES", dtypes.into_py_dict(m.py())?)?;
+    m.add("REDUCE_OPS", ops.into_py_dict(m.py())?)?;
+    m.add("REDUCE_OP_DTYPES", rules.into_py_dict(m.py())?)?;
+    m.add("KINDS", kinds.into_py_dict(m.py())?)?;
+    Ok(())
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(create_segment, m)?)?;
@@ -91,6 +109,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("PLAN_FALLBACK", convert::plan_dict(&crate::plan::Plan::FALLBACK))?;
     m.add("SEGMENT_PREFIX", segment::NAME_PREFIX)?;
     m.add("DTYPES", DType::ALL.iter().map(|d| d.name()).collect::<Vec<_>>())?;
+    add_vocabulary(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
