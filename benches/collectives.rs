@@ -169,7 +169,7 @@ fn serve(path: &std::path::Path, mut sock: UnixStream, parent: libc::pid_t, cpu:
     // re-parented); attach unlinks the segment file on this error.
     // SAFETY: getppid has no preconditions and cannot fail.
     let orphaned = move || unsafe { libc::getppid() } != parent;
-    let mut comm = match Communicator::attach_with(path, 1, RANKS, Duration::from_secs(60), Some(&orphaned), &[]) {
+    let mut comm = match Communicator::attach_with(path, 1, RANKS, Duration::from_secs(60), Some(&orphaned), &[], Default::default()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("collectives bench, rank 1: attach failed: {e}");

@@ -8,8 +8,9 @@
 //! would be allowed (`PTRACE_MODE_ATTACH_REALCREDS`); Yama's `ptrace_scope` >= 1 or a
 //! seccomp profile can forbid it. The communicator therefore probes every peer when the
 //! group is set up (see `Communicator::attach_with`) and all ranks use single-copy
-//! collectives only if every probe worked; otherwise the slot path is used. Setting
-//! `FLAGOS_SHM_CMA=0` (or `false`, `no`, `off`) turns it off.
+//! collectives only if every probe worked; otherwise the slot path is used. A rank whose
+//! caller passes `Settings::single_copy` false (`FLAGOS_SHM_CMA=0` on the Python side)
+//! turns it off for the group.
 //!
 //! Safety of the remote side: the peer's address and the length come from the group's
 //! control blocks, but the read goes through the kernel, which checks the remote range
@@ -18,24 +19,6 @@
 //! not make this process touch memory outside its own buffer.
 
 use crate::error::{Error, Result};
-
-/// Environment variable: `0` (or `false`, `no`, `off`) disables single-copy transfers.
-pub const ENV_CMA: &str = "FLAGOS_SHM_CMA";
-
-/// Whether single-copy transfers are allowed by the environment (`FLAGOS_SHM_CMA`; the
-/// off words are those of [`crate::env::is_off`]).
-pub fn enabled_by_env() -> bool {
-    crate::env::switch_on(ENV_CMA)
-}
-
-/// Environment variable: message size in bytes from which single-copy transfers are
-/// used (ranks of a group agree on the largest value any of them sets).
-pub const ENV_CMA_MIN_BYTES: &str = "FLAGOS_SHM_CMA_MIN_BYTES";
-
-/// `FLAGOS_SHM_CMA_MIN_BYTES` as a number, or `None` when unset or unparsable.
-pub fn min_bytes_from_env() -> Option<usize> {
-    std::env::var(ENV_CMA_MIN_BYTES).ok().and_then(|v| v.trim().parse().ok())
-}
 
 /// Copies `len` bytes at `remote` in process `pid` into `local`.
 ///

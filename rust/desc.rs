@@ -3,7 +3,7 @@
 //! check of a peer's descriptor against our own. Everything here is pure: the words come
 //! from, and go to, the control blocks through `sync`.
 
-use crate::error::{Error, Result};
+use crate::error::{Disagreement, Error, Result};
 use crate::reduce::{DType, ReduceOp};
 use crate::segment::DESC_WORDS;
 
@@ -266,13 +266,17 @@ pub fn check_peer_desc(mine: &Desc, me: usize, r: usize, words: [u64; DESC_WORDS
         )));
     }
     if !theirs.same_call(mine) {
-        return Err(Error::Mismatch(format!(
-            "ranks disagree at position {} of the group's sequence: rank {me} called {}, rank {r} called {}; \
-             no output was written and the group is still usable",
-            mine.seq,
-            mine.describe(),
-            theirs.describe()
-        )));
+        let name = |d: &Desc| Kind::from_code(d.kind).map_or("?", |k| k.name());
+        return Err(Error::Disagree {
+            message: format!(
+                "ranks disagree at position {} of the group's sequence: rank {me} called {}, rank {r} called {}; \
+                 no output was written and the group is still usable",
+                mine.seq,
+                mine.describe(),
+                theirs.describe()
+            ),
+            on: Disagreement::Calls { rank: me, peer: r, expected: name(mine), got: name(&theirs) },
+        });
     }
     Ok(())
 }

@@ -13,6 +13,7 @@ use crate::segment::{self, Segment};
 use crate::shm::file;
 use crate::shm::wait::pid_dead;
 use crate::shm::PAGE;
+use crate::stream::Mode;
 use crate::sync::{self, WaitCtx};
 use std::path::Path;
 use std::sync::{Arc, Weak};
@@ -31,6 +32,34 @@ pub type InterruptHook = Box<dyn Fn() -> bool + Send + Sync>;
 
 /// One rank's handle on a group's segment. Calls on one communicator are serialised by
 /// `&mut self`; every rank of the group must issue the same collectives in the same order.
+/// What a communicator takes from its caller at attach; the core reads no environment (the
+/// Python side reads these from `FLAGOS_SHM_*` variables in `flagos_shm.backend.config` and
+/// passes them to `_core.Communicator`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Settings {
+    /// Whether this rank allows single-copy transfers ([`cma`]); false on any rank turns
+    /// them off for the whole group (`FLAGOS_SHM_CMA`).
+    pub single_copy: bool,
+    /// This rank's single-copy threshold in bytes (the group takes the largest any rank
+    /// gives; 0 counts as 1), replacing the plan's single-copy thresholds
+    /// ([`Plan::with_single_copy_min`]); None: the plan's (`FLAGOS_SHM_CMA_MIN_BYTES`).
+    pub single_copy_min_bytes: Option<usize>,
+    /// How this rank copies into its slot until [`Communicator::set_stream_mode`]
+    /// (`FLAGOS_SHM_STREAM`).
+    pub stream: Mode,
+    /// Whether the progress thread of asynchronous calls runs under `SCHED_BATCH`
+    /// ([`crate::progress`]; `FLAGOS_SHM_PROGRESS_BATCH`).
+    pub progress_batch: bool,
+}
+
+impl Default for Settings {
+    /// Single-copy allowed with the plan's thresholds, [`Mode::Auto`], `SCHED_BATCH`: what
+    /// an unset environment meant.
+    fn default() -> Settings {
+        Settings { single_copy: true, single_copy_min_bytes: None, stream: Mode::Auto, progress_batch: true }
+    }
+}
+
 pub struct Communicator {
     pub(crate) seg: Arc<Segment>,
     pub(crate) rank: usize,
@@ -54,6 +83,8 @@ pub struct Communicator {
     pub(crate) scratch: Vec<u64>,
     /// How this rank copies into its slot: plain or streaming stores ([`crate::stream`]).
     pub(crate) streamer: crate::stream::Streamer,
+    /// What the caller passed at attach.
+    settings: Settings,
 }
 
 fn ms(d: Duration) -> String {
@@ -64,9 +95,10 @@ impl Communicator {
     /// Maps the segment at `path` as `rank` of `world_size`, waits until all ranks have
     /// attached (at most `timeout`) and unlinks the file. On any failure the file is
     /// unlinked too, so nothing is left in the segment directory (but only if it is named
-    /// and owned like a segment: see `shm::file::remove_if_ours`).
+    /// and owned like a segment: see `shm::file::remove_if_ours`). Core settings are
+    /// [`Settings::default`].
     pub fn attach(path: &Path, rank: usize, world_size: usize, timeout: Duration) -> Result<Communicator> {
-        Self::attach_with(path, rank, world_size, timeout, None, &[])
+        Self::attach_with(path, rank, world_size, timeout, None, &[], Settings::default())
     }
 
     /// [`Self::attach`] with an interrupt hook, checked every few milliseconds while
@@ -74,7 +106,7 @@ impl Communicator {
     /// process ids of the ranks as far as the caller knows them (`peer_pids[r]`, 0 or
     /// missing: unknown; the c10d backend learns them through the group's store): a rank
     /// whose process exits before it attaches fails the wait with `PeerDied` at once
-    /// instead of at the timeout.
+    /// instead of at the timeout; and the caller's `settings`.
     pub fn attach_with(
         path: &Path,
         rank: usize,
@@ -82,6 +114,7 @@ impl Communicator {
         timeout: Duration,
         interrupt: Option<&(dyn Fn() -> bool + Sync)>,
         peer_pids: &[u32],
+        settings: Settings,
     ) -> Result<Communicator> {
         let unlink_on_err = |e: Error| {
             file::remove_if_ours(&segment::FORMAT, path);
@@ -156,7 +189,8 @@ impl Communicator {
             plan: Plan::FALLBACK,
             cma_ok: false,
             scratch: Vec::new(),
-            streamer: crate::stream::Streamer::new(crate::stream::Mode::from_env()),
+            streamer: crate::stream::Streamer::new(settings.stream),
+            settings,
         };
         let agreed = comm.probe_cma()?;
         comm.cma_ok = agreed != u64::MAX;
@@ -182,7 +216,7 @@ impl Communicator {
     }
 
     /// Whether every rank can read every peer's memory (probed at attach, agreed by all;
-    /// `FLAGOS_SHM_CMA=0` on any rank says no).
+    /// [`Settings::single_copy`] false on any rank says no).
     pub fn single_copy_available(&self) -> bool {
         self.cma_ok
     }
@@ -198,7 +232,7 @@ impl Communicator {
     }
 
     /// Sets how later calls copy into this rank's slot ([`crate::stream::Mode`]; the
-    /// default is `FLAGOS_SHM_STREAM`'s, read at attach). Ranks need not agree: the kind of
+    /// default is [`Settings::stream`] given at attach). Ranks need not agree: the kind of
     /// store changes no byte the peers read.
     pub fn set_stream_mode(&mut self, mode: crate::stream::Mode) {
         self.streamer = crate::stream::Streamer::new(mode);
@@ -249,9 +283,9 @@ impl Communicator {
     /// publishes the address and value of a random probe word, reads every peer's word
     /// with `process_vm_readv` and publishes whether all reads returned the right values
     /// (which also proves the pid names the right process), together with its own
-    /// threshold (`FLAGOS_SHM_CMA_MIN_BYTES`, 0 when unset). Two steps of the group's
+    /// threshold ([`Settings::single_copy_min_bytes`], 0 when None). Two steps of the group's
     /// sequence; every rank gets the same answer: the largest threshold (0: nobody set
-    /// one), or `u64::MAX` if any rank failed (or has `FLAGOS_SHM_CMA=0`).
+    /// one), or `u64::MAX` if any rank failed (or has [`Settings::single_copy`] false).
     fn probe_cma(&mut self) -> Result<u64> {
         use std::hash::{BuildHasher, Hasher};
         if self.n == 1 {
@@ -261,7 +295,7 @@ impl Communicator {
         let seg = Arc::clone(&self.seg);
         sync::publish_probe(&seg, self.rank, &*word as *const u64 as u64, *word);
         self.sync(None)?;
-        let mut ok = cma::enabled_by_env();
+        let mut ok = self.settings.single_copy;
         for q in (0..self.n).filter(|&q| q != self.rank) {
             if !ok {
                 break;
@@ -271,7 +305,7 @@ impl Communicator {
             // SAFETY: `got` is a local u64, valid for 8 bytes of writes.
             ok = unsafe { cma::read(pid, addr, &mut got as *mut u64 as *mut u8, 8) }.is_ok() && got == expect;
         }
-        let mine = if ok { cma::min_bytes_from_env().map_or(0, |b| b.max(1) as u64) } else { u64::MAX };
+        let mine = if ok { self.settings.single_copy_min_bytes.map_or(0, |b| b.max(1) as u64) } else { u64::MAX };
         sync::publish_cma(&seg, self.rank, mine);
         self.sync(None)?;
         let agreed = (0..self.n).map(|q| sync::read_cma(&seg, q)).max().unwrap_or(u64::MAX);
@@ -281,6 +315,10 @@ impl Communicator {
 
     pub fn rank(&self) -> usize {
         self.rank
+    }
+    /// The settings given at attach.
+    pub fn settings(&self) -> Settings {
+        self.settings
     }
     pub fn world_size(&self) -> usize {
         self.n

@@ -20,7 +20,6 @@ pub mod algorithms;
 pub(crate) mod buffer;
 pub(crate) mod cma;
 pub(crate) mod desc;
-pub(crate) mod env;
 pub(crate) mod error;
 pub(crate) mod group;
 pub mod p2p;
@@ -38,6 +37,7 @@ mod binding;
 
 pub use algorithms::{Communicator, Kind};
 pub use buffer::Buf;
-pub use error::{Error, Result};
+pub use error::{Disagreement, Error, Result};
+pub use group::Settings;
 pub use plan::Plan;
 pub use reduce::{DType, ReduceOp, Reduction};

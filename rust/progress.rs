@@ -14,7 +14,7 @@
 //! The thread is started on the first submission (groups that never go asynchronous cost
 //! no thread) and sleeps on a condition variable of its own while the queue is empty: an
 //! idle group uses no CPU, and synchronous calls do not wake it. It runs under
-//! `SCHED_BATCH` (`FLAGOS_SHM_PROGRESS_BATCH=0`: not), so that its wake-ups do not
+//! `SCHED_BATCH` (unless the communicator's `Settings::progress_batch` is false), so that its wake-ups do not
 //! preempt the thread that submitted (see `batch_policy`). Every collective, inline or
 //! queued, honours the communicator's timeout and abort flag, so a queued job cannot wait
 //! forever; [`Progress::close`] aborts the group
@@ -94,6 +94,8 @@ struct Shared {
     /// thread for nothing (a futex wake and, on a shared CPU, two context switches: 14.2
     /// against 9.6 us per 4-byte allreduce on the AMD EPYC VM).
     queued: Condvar,
+    /// Whether the thread moves itself to `SCHED_BATCH` (`Settings::progress_batch`).
+    batch: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -170,7 +172,7 @@ impl Shared {
 
     fn thread_main(&self) {
         ON_PROGRESS_THREAD.with(|c| c.set(true));
-        if crate::env::switch_on("FLAGOS_SHM_PROGRESS_BATCH") {
+        if self.batch {
             batch_policy();
         }
         loop {
@@ -226,6 +228,7 @@ impl Progress {
         Progress {
             shared: Arc::new(Shared {
                 aborter: comm.abort_handle(),
+                batch: comm.settings().progress_batch,
                 comm: Mutex::new(Some(comm)),
                 state: Mutex::new(State {
                     queue: VecDeque::new(),

@@ -27,7 +27,8 @@
 //! their results with plain stores (the two-step allreduce's reduced slice, which peers
 //! read from its slot).
 
-/// How a communicator copies into its slot (`FLAGOS_SHM_STREAM`: `auto`, the default;
+/// How a communicator copies into its slot (`crate::group::Settings::stream`, given at
+/// attach; the Python side reads it from `FLAGOS_SHM_STREAM`: `auto`, the default;
 /// `1`/`on`/`always`; `0`/`off`/`never`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mode {
@@ -68,17 +69,6 @@ impl Mode {
     /// The mode whose [`Self::name`] is `name`, or None.
     pub fn from_name(name: &str) -> Option<Mode> {
         [Mode::Plain, Mode::Stream, Mode::Auto].into_iter().find(|m| m.name() == name)
-    }
-
-    /// `FLAGOS_SHM_STREAM`, read once per communicator. Off words as [`crate::env`] and
-    /// `never`: [`Mode::Plain`]; `1`, `true`, `yes`, `on`, `always`: [`Mode::Stream`];
-    /// anything else (unset included): [`Mode::Auto`].
-    pub fn from_env() -> Mode {
-        match std::env::var("FLAGOS_SHM_STREAM") {
-            Ok(v) if crate::env::is_off(&v) || v.trim().eq_ignore_ascii_case("never") => Mode::Plain,
-            Ok(v) if ["1", "true", "yes", "on", "always"].contains(&v.trim().to_ascii_lowercase().as_str()) => Mode::Stream,
-            _ => Mode::Auto,
-        }
     }
 }
 

@@ -165,13 +165,14 @@ def _old_combine(rows: torch.Tensor, op: str, n: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype,op", [(d, o) for d, o in REDUCE_CASES if not d.is_complex])
 def test_host_helpers_equal_the_torch_formula_bitwise(dtype, op):
+    from flagos_shm.backend import options
     from flagos_shm.backend.hierarchy import host
 
     numel, m, n = GRAIN + 3, 3, 5
-    acc = host._acc_dtype(dtype, host.PREMUL_SUM if op == "PREMUL_SUM" else getattr(host, op))
+    acc = host._acc_dtype(dtype, options.PREMUL_SUM if op == "PREMUL_SUM" else getattr(options, op))
     rows = torch.stack([_input(r, numel, acc if acc != torch.int64 or dtype == torch.int64 else dtype, op, seed=9)
                         .to(acc) for r in range(m)])
-    code = host.SUM if op == "PREMUL_SUM" else getattr(host, op)
+    code = options.SUM if op == "PREMUL_SUM" else getattr(options, op)
     got = torch.empty(numel, dtype=acc)
     host._reduce_into(got, list(rows), code, world=n)
     want = _old_combine(rows, op, n)
@@ -181,7 +182,7 @@ def test_host_helpers_equal_the_torch_formula_bitwise(dtype, op):
     assert torch.equal(final.view(torch.uint8), want.to(dtype).view(torch.uint8)), (dtype, op)
     if op == "PREMUL_SUM":  # one rank per node: the leader scales its own row first
         scaled = torch.empty_like(rows[0])
-        host._reduce_into(scaled, [rows[0]], host.PREMUL_SUM, 0.37)
+        host._reduce_into(scaled, [rows[0]], options.PREMUL_SUM, 0.37)
         assert torch.equal(scaled, rows[0] * 0.37)
     wide = host._clone(final, acc) if acc != dtype else host._clone(final)
     assert torch.equal(wide, final.to(acc))
@@ -189,23 +190,23 @@ def test_host_helpers_equal_the_torch_formula_bitwise(dtype, op):
 
 def test_host_helpers_reject_bad_buffers():
     from flagos_shm import _core
-    from flagos_shm.backend.hierarchy import host
+    from flagos_shm.backend import options
 
     x = torch.zeros(8)
     with pytest.raises(ValueError, match=r"srcs\[1\]"):
-        _core.reduce_into(x.data_ptr(), 32, [x.data_ptr(), x.data_ptr()], [32, 16], 8, "float32", host.SUM)
+        _core.reduce_into(x.data_ptr(), 32, [x.data_ptr(), x.data_ptr()], [32, 16], 8, "float32", options.SUM)
     with pytest.raises(ValueError, match="dst"):
-        _core.reduce_into(x.data_ptr(), 16, [x.data_ptr()], [32], 8, "float32", host.SUM)
+        _core.reduce_into(x.data_ptr(), 16, [x.data_ptr()], [32], 8, "float32", options.SUM)
     with pytest.raises(ValueError, match="overlap"):
-        _core.reduce_into(x.data_ptr(), 16, [x.data_ptr() + 4], [16], 4, "float32", host.SUM)
+        _core.reduce_into(x.data_ptr(), 16, [x.data_ptr() + 4], [16], 4, "float32", options.SUM)
     with pytest.raises(ValueError, match="aligned"):
-        _core.reduce_into(x.data_ptr() + 1, 16, [x.data_ptr() + 16], [16], 2, "float32", host.SUM)
+        _core.reduce_into(x.data_ptr() + 1, 16, [x.data_ptr() + 16], [16], 2, "float32", options.SUM)
     with pytest.raises(ValueError, match="world"):
-        _core.reduce_into(x.data_ptr(), 32, [x.data_ptr()], [32], 8, "float32", host.AVG, 1.0, 0)
+        _core.reduce_into(x.data_ptr(), 32, [x.data_ptr()], [32], 8, "float32", options.AVG, 1.0, 0)
     with pytest.raises(TypeError, match="BAND"):
-        _core.reduce_into(x.data_ptr(), 32, [x.data_ptr()], [32], 8, "float32", host.BAND)
+        _core.reduce_into(x.data_ptr(), 32, [x.data_ptr()], [32], 8, "float32", options.BAND)
     with pytest.raises(ValueError, match="null"):
-        _core.reduce_into(0, 32, [x.data_ptr()], [32], 8, "float32", host.SUM)
+        _core.reduce_into(0, 32, [x.data_ptr()], [32], 8, "float32", options.SUM)
     h = torch.zeros(8, dtype=torch.float16)
     with pytest.raises(ValueError, match="src"):
         _core.convert_into(h.data_ptr(), 16, "float16", x.data_ptr(), 16, "float32", 8)

@@ -1,7 +1,7 @@
-"""Type stubs of ``flagos_shm._core``, the Rust core's Python binding (``rust/binding.rs``,
-``rust/binding/``). Pointers are addresses of host memory (``tensor.data_ptr()``), counted
-with their byte lengths (``*nbytes``), which the core checks before touching anything; sizes
-are bytes, times seconds. Dtypes are the names in :data:`DTYPES`; ``op`` is a
+"""Type stubs of ``flagos_shm._core``, the Rust core's Python binding (``rust/binding/``).
+Pointers are addresses of host memory (``tensor.data_ptr()``), counted with their byte
+lengths (``*nbytes``), which the core checks before touching anything; sizes are bytes,
+times seconds. Dtypes are the names in :data:`DTYPES`; ``op`` is a
 ``torch.distributed.ReduceOp`` code. ``tests/test_core_stub.py`` checks this file against
 the compiled module (names and parameters).
 
@@ -17,6 +17,13 @@ from typing import Callable, Dict, List, Optional, Tuple
 __version__: str
 #: The core's dtype names, in its order (``rust/reduce.rs``, ``DType::ALL``).
 DTYPES: List[str]
+#: The core's vocabulary, each in code order (``rust/binding/mod.rs``, ``add_vocabulary``):
+#: dtype name to its descriptor code; reduce-op name to torch's ``RedOpType`` code; dtype name
+#: to the codes of the ops the core defines on it; collective kind name to its descriptor code.
+DTYPE_CODES: Dict[str, int]
+REDUCE_OPS: Dict[str, int]
+REDUCE_OP_DTYPES: Dict[str, List[int]]
+KINDS: Dict[str, int]
 #: Bytes per chunk slot on a large enough file system; ``SMALL_SLOT_BYTES`` otherwise.
 DEFAULT_SLOT_BYTES: int
 SMALL_SLOT_BYTES: int
@@ -45,7 +52,9 @@ class Communicator:
     """One rank's attachment to a node's group segment."""
 
     def __init__(self, path: str, rank: int, world_size: int, timeout_s: float,
-                 peer_pids: Optional[List[int]] = None) -> None: ...
+                 peer_pids: Optional[List[int]] = None, single_copy: bool = True,
+                 single_copy_min_bytes: Optional[int] = None, stream: str = "auto",
+                 progress_batch: bool = True) -> None: ...
     @property
     def rank(self) -> int: ...
     @property

@@ -16,7 +16,7 @@
 use super::table;
 use crate::buffer::Buf;
 use crate::desc::{Kind, Transfer};
-use crate::error::{Error, Result};
+use crate::error::{Disagreement, Error, Result};
 use crate::group::Communicator;
 use crate::reduce::DType;
 
@@ -39,20 +39,19 @@ fn total(name: &str, counts: &[usize], n: usize) -> Result<usize> {
 
 /// The first pair (p, q), p-major, where `tables[p]` (rank p's `send ++ recv` words) says
 /// p sends a different count to q than `tables[q]` says q expects from p, as a message
-/// naming it and the number of such pairs; `None` when every pair agrees. Pure, so every
-/// rank, reading the same tables, returns the same.
-pub(crate) fn disagreement(tables: &[Vec<u64>]) -> Option<String> {
+/// naming it and the number of such pairs, and as fields; `None` when every pair agrees.
+/// Pure, so every rank, reading the same tables, returns the same.
+pub(crate) fn disagreement(tables: &[Vec<u64>]) -> Option<(String, Disagreement)> {
     let n = tables.len();
     let bad: Vec<(usize, usize)> =
         (0..n).flat_map(|p| (0..n).map(move |q| (p, q))).filter(|&(p, q)| tables[p][q] != tables[q][n + p]).collect();
     let &(p, q) = bad.first()?;
-    Some(format!(
-        "split sizes disagree between ranks: rank {p} sends {} elements to rank {q}, which expects {} from it \
-         ({} such pair(s))",
-        tables[p][q],
-        tables[q][n + p],
-        bad.len()
-    ))
+    let (got, expected, pairs) = (tables[p][q], tables[q][n + p], bad.len());
+    let message = format!(
+        "split sizes disagree between ranks: rank {p} sends {got} elements to rank {q}, which expects {expected} from it \
+         ({pairs} such pair(s))"
+    );
+    Some((message, Disagreement::Counts { rank: p, peer: q, expected, got, pairs }))
 }
 
 /// Offsets of pieces laid back to back with `counts` elements each.
@@ -128,8 +127,9 @@ impl Communicator {
                 // SAFETY: every rank published its table in this step (sync returned and
                 // the descriptors agree, so every rank wrote 2n words).
                 let tables: Vec<Vec<u64>> = (0..n).map(|r| unsafe { table::read(self.slot(r, p), 2 * n) }).collect();
-                if let Some(m) = disagreement(&tables) {
-                    return Err(Error::Mismatch(format!("{}: {m}; no data was exchanged and the group is still usable", d.describe())));
+                if let Some((m, on)) = disagreement(&tables) {
+                    let message = format!("{}: {m}; no data was exchanged and the group is still usable", d.describe());
+                    return Err(Error::Disagree { message, on });
                 }
                 largest = tables.iter().flat_map(|t| t[..n].iter()).map(|&c| usize::try_from(c).unwrap_or(usize::MAX)).max().unwrap_or(0);
             }
@@ -168,8 +168,9 @@ mod tests {
         let ok = vec![vec![0, 1, 0, 2], vec![2, 3, 1, 3]];
         assert_eq!(disagreement(&ok), None);
         let bad = vec![vec![0, 1, 0, 2], vec![5, 3, 1, 3]];
-        let m = disagreement(&bad).unwrap();
+        let (m, on) = disagreement(&bad).unwrap();
         assert!(m.contains("rank 1 sends 5 elements to rank 0, which expects 2") && m.contains("1 such pair"), "{m}");
+        assert_eq!(on, Disagreement::Counts { rank: 1, peer: 0, expected: 2, got: 5, pairs: 1 });
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! The point-to-point part of the binding: `flagos_shm._core.P2PChannel` (see the parent
 //! module for the buffer contract and the exceptions).
 
-use super::{duration, host_buf, to_py};
+use super::convert::{duration, host_buf};
+use super::errors::to_py;
 use pyo3::prelude::*;
 use std::path::Path;
 

@@ -6,7 +6,8 @@
 //! 32768 elements or more would run on its intra-op thread pool (docs/benchmark.md,
 //! "torch's copy threads").
 
-use super::{dtype, host_buf, host_bufs, reduce_op, to_py};
+use super::convert::{dtype, host_buf, host_bufs, reduce_op};
+use super::errors::to_py;
 use crate::reduce::{self, Reduction};
 use pyo3::prelude::*;
 

@@ -2,7 +2,7 @@
 //! `flagos_shm.staging` uses between contiguous host buffers (see the parent module for
 //! the buffer contract).
 
-use super::host_buf;
+use super::convert::host_buf;
 use pyo3::prelude::*;
 
 /// Copies `nbytes` bytes from address `src` to address `dst` on the calling thread, with

@@ -7,6 +7,7 @@ use flagos_shm::algorithms::COALESCE_MAX_BYTES;
 use flagos_shm::reduce::{DType, ReduceOp};
 use flagos_shm::segment;
 use flagos_shm::stream::Mode;
+use flagos_shm::Disagreement;
 use flagos_shm::Plan;
 use flagos_shm::{Buf, Communicator, Error};
 use std::sync::Arc;
@@ -77,8 +78,8 @@ fn alltoallv_count_mismatch_raises_on_every_rank_naming_the_pair() {
         let mut out = vec![0.0f32; 6];
         let e = c.alltoallv(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), &send, &[2; 3], DType::F32);
         let msg = match e {
-            Err(Error::Mismatch(m)) => m,
-            other => panic!("rank {me}: expected Mismatch, got {other:?}"),
+            Err(Error::Disagree { message, on: Disagreement::Counts { rank: 1, peer: 2, expected: 2, got: 5, pairs: 1 } }) => message,
+            other => panic!("rank {me}: expected Disagree on rank 1's count to rank 2, got {other:?}"),
         };
         let mut ok = [me as f32; 4];
         c.allreduce(Buf::from_elems_mut(&mut ok), 4, DType::F32, ReduceOp::Sum, 1.0).unwrap();

@@ -5,6 +5,7 @@
 use flagos_shm::algorithms::slice_bounds;
 use flagos_shm::reduce::{reduce_bytes, DType, ReduceOp, Reduction};
 use flagos_shm::segment::{self, NAME_PREFIX};
+use flagos_shm::Disagreement;
 use flagos_shm::{Buf, Communicator, Error};
 use half::{bf16, f16};
 use std::path::{Path, PathBuf};
@@ -388,8 +389,8 @@ fn mismatched_calls_raise_on_every_rank_and_the_group_stays_usable() {
         // SAFETY: buffer holds 100 f32.
         let e = c.allreduce(Buf::from_elems_mut(&mut buf), count, DType::F32, ReduceOp::Sum, 1.0);
         let msg = match e {
-            Err(Error::Mismatch(m)) => m,
-            other => panic!("rank {rank}: expected Mismatch, got {other:?}"),
+            Err(Error::Disagree { message, on: Disagreement::Calls { .. } }) => message,
+            other => panic!("rank {rank}: expected Disagree, got {other:?}"),
         };
         // rank 1 rejects its own arguments; the others see it
         let e2 = if rank == 1 {
@@ -429,7 +430,7 @@ fn premul_sum_factors_must_agree() {
         (e, decode(DType::F32, &bytes_of(&buf)[..16]))
     });
     for (e, vals) in outs {
-        assert!(matches!(&e, Err(Error::Mismatch(m)) if m.contains("factor 2") && m.contains("factor 3")), "{e:?}");
+        assert!(matches!(&e, Err(Error::Disagree { message: m, .. }) if m.contains("factor 2") && m.contains("factor 3")), "{e:?}");
         assert_eq!(vals, vec![1.0; 4]);
     }
 }
@@ -781,8 +782,10 @@ fn ranks_that_would_take_different_transfer_paths_raise_mismatch_not_wrong_data(
     for (rank, (_, r, g, untouched, ok)) in outs.into_iter().enumerate() {
         for (what, r) in [("allreduce", r), ("allgather", g)] {
             match r {
-                Err(Error::Mismatch(m)) => assert!(m.contains("single-copy") && m.contains("via slots"), "rank {rank} {what}: {m}"),
-                other => panic!("rank {rank} {what}: expected Mismatch, got {other:?}"),
+                Err(Error::Disagree { message: m, .. }) => {
+                    assert!(m.contains("single-copy") && m.contains("via slots"), "rank {rank} {what}: {m}")
+                }
+                other => panic!("rank {rank} {what}: expected Disagree, got {other:?}"),
             }
         }
         assert!(untouched, "rank {rank}: a mismatched call wrote its buffers");
@@ -814,8 +817,8 @@ fn a_single_copy_band_ends_where_the_plan_says() {
     for (rank, (_, small_ok, big_r)) in outs.into_iter().enumerate() {
         assert_eq!(small_ok.ok(), Some(true), "rank {rank}: the 1 KiB broadcast inside both bands");
         match big_r {
-            Err(Error::Mismatch(m)) => assert!(m.contains("single-copy") && m.contains("via slots"), "rank {rank}: {m}"),
-            other => panic!("rank {rank}: expected Mismatch for the 8 KiB broadcast, got {other:?}"),
+            Err(Error::Disagree { message: m, .. }) => assert!(m.contains("single-copy") && m.contains("via slots"), "rank {rank}: {m}"),
+            other => panic!("rank {rank}: expected Disagree for the 8 KiB broadcast, got {other:?}"),
         }
     }
 }

@@ -1,10 +1,9 @@
 """Every ``FLAGOS_SHM_*`` setting the backend reads, in one place.
 
 Each function reads the environment when it is called (group creation or import), so a
-test or a launcher can set a variable before it creates a group. The core (``_core``)
-still reads ``FLAGOS_SHM_CMA``, ``FLAGOS_SHM_CMA_MIN_BYTES``, ``FLAGOS_SHM_PROGRESS_BATCH`` and
-``FLAGOS_SHM_STREAM`` (plain or streaming stores into the slots, ``rust/stream.rs``) itself
-(see the README).
+test or a launcher can set a variable before it creates a group. The core (``_core``) reads
+no environment: ``FLAGOS_SHM_CMA``, ``FLAGOS_SHM_CMA_MIN_BYTES``, ``FLAGOS_SHM_PROGRESS_BATCH``
+and ``FLAGOS_SHM_STREAM`` are read here and passed to it (:func:`core_settings`, at the end).
 
 Variables:
     FLAGOS_SHM_DIR: directory of the shared-memory segments (default ``/dev/shm``).
@@ -30,8 +29,10 @@ Variables:
     FLAGOS_SHM_PLAN: ``auto`` (default: measured once per machine and cached), ``calibrate``,
         ``fallback`` or explicit thresholds: which algorithm each collective uses at which
         size (:mod:`flagos_shm.backend.plan`). Every rank must set the same value.
-    FLAGOS_SHM_CMA_MIN_BYTES: read by the core; checked here (:func:`cma_min_bytes`) so that
-        a value the core cannot parse raises instead of being ignored.
+    FLAGOS_SHM_CMA_MIN_BYTES: checked here (:func:`cma_min_bytes`) so that a malformed value
+        raises instead of being ignored; passed to the core (:func:`core_settings`).
+    FLAGOS_SHM_CMA, FLAGOS_SHM_STREAM, FLAGOS_SHM_PROGRESS_BATCH: the core's settings
+        (:func:`core_settings`).
 """
 
 from __future__ import annotations
@@ -59,8 +60,7 @@ RETIRED = {
     "FLAGOS_SHM_ROUTE": "every torch (2.10 to 2.15) now uses the one per-device c10d adapter",
 }
 
-#: The words that turn a flag off; the core reads FLAGOS_SHM_CMA, FLAGOS_SHM_PROGRESS_BATCH and
-#: FLAGOS_SHM_STREAM with the same ones (``rust/env.rs``).
+#: The words that turn a flag off (compared stripped and lower-cased).
 _OFF = ("0", "false", "no", "off")
 
 
@@ -114,9 +114,9 @@ def hier_rs_min_bytes():
 
 
 def cma_min_bytes() -> str:
-    """``FLAGOS_SHM_CMA_MIN_BYTES`` as set (stripped; ``""`` when unset). The core reads the
-    number itself and ignores one it cannot parse as a 64-bit count (``64K``, ``-1``), which
-    would silently drop the plan's thresholds for its defaults, so it is checked here.
+    """``FLAGOS_SHM_CMA_MIN_BYTES`` as set (stripped; ``""`` when unset), checked: a value
+    that is not a 64-bit count (``64K``, ``-1``) would otherwise silently drop the plan's
+    thresholds for the core's defaults.
 
     Raises:
         ValueError: set to anything but an integer number of bytes in [0, 2**64).
@@ -172,3 +172,56 @@ def segment_config(world_size: int = 1) -> tuple[str, int]:
     except ValueError as exc:
         raise ValueError(f"{ENV_SLOT_BYTES}={raw!r}: {exc}") from None
     return directory, slot_bytes
+
+
+# ---- the core's settings: read here, passed to ``_core.Communicator`` (the core reads no
+# environment; ``rust/group.rs``, ``Settings``) ---------------------------------------------
+
+ENV_CMA = "FLAGOS_SHM_CMA"
+ENV_STREAM = "FLAGOS_SHM_STREAM"
+ENV_PROGRESS_BATCH = "FLAGOS_SHM_PROGRESS_BATCH"
+#: FLAGOS_SHM_STREAM words beyond the flags' on and off words: ``never`` is plain stores,
+#: ``always`` streaming ones.
+_STREAM_PLAIN = ("never",)
+_STREAM_ALWAYS = ("1", "true", "yes", "on", "always")
+
+
+def single_copy() -> bool:
+    """``FLAGOS_SHM_CMA`` (default on): whether this rank allows single-copy transfers
+    (``process_vm_readv``); off on any rank turns them off for its groups."""
+    return _flag(ENV_CMA, True)
+
+
+def single_copy_min_bytes():
+    """``FLAGOS_SHM_CMA_MIN_BYTES`` as bytes (an int), or None when unset. A malformed value
+    is None here too: :func:`cma_min_bytes` raises for it when the plan is set up, on every
+    rank at once (raising at attach, on one rank only, would leave the others waiting)."""
+    try:
+        raw = cma_min_bytes()
+    except ValueError:
+        return None
+    return int(raw) if raw else None
+
+
+def stream_mode() -> str:
+    """``FLAGOS_SHM_STREAM``: how this rank first copies into its slots (``rust/stream.rs``):
+    ``"plain"`` for the off words and ``never``, ``"stream"`` for ``1``, ``true``, ``yes``,
+    ``on`` and ``always`` (any case), ``"auto"`` (timed per size class) otherwise, unset
+    included."""
+    raw = os.environ.get(ENV_STREAM, "").strip().lower()
+    if raw in _OFF or raw in _STREAM_PLAIN:
+        return "plain"
+    return "stream" if raw in _STREAM_ALWAYS else "auto"
+
+
+def progress_batch() -> bool:
+    """``FLAGOS_SHM_PROGRESS_BATCH`` (default on): whether each group's progress thread runs
+    under ``SCHED_BATCH`` (its wake-ups do not preempt the thread that submitted)."""
+    return _flag(ENV_PROGRESS_BATCH, True)
+
+
+def core_settings() -> dict:
+    """The keyword arguments of ``_core.Communicator`` that carry this rank's settings, read
+    now: ``single_copy``, ``single_copy_min_bytes``, ``stream``, ``progress_batch``."""
+    return {"single_copy": single_copy(), "single_copy_min_bytes": single_copy_min_bytes(),
+            "stream": stream_mode(), "progress_batch": progress_batch()}

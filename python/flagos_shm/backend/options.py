@@ -16,12 +16,22 @@ import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as c10d
 
-from .. import _compat, staging
+from .. import _compat, _core, staging
 
-# torch's RedOpType numbering, which the core uses as well.
-SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM = range(9)
-OP_NAMES = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM")
-_COMPLEX_OPS = (SUM, AVG, PREMUL_SUM)  # elementwise on (real, imag) pairs
+# The reduce-op codes (torch's RedOpType numbering) and the ops each dtype takes: the core's
+# (``_core.REDUCE_OPS``, ``_core.REDUCE_OP_DTYPES``).
+SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM = (
+    _core.REDUCE_OPS[n] for n in ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM"))
+#: Op names by code.
+OP_NAMES = tuple(sorted(_core.REDUCE_OPS, key=_core.REDUCE_OPS.__getitem__))
+_OPS_OF = {name: frozenset(codes) for name, codes in _core.REDUCE_OP_DTYPES.items()}
+#: Complex tensors reduce as (real, imag) pairs of their real dtype, which is right only for
+#: the ops that act on each component alone (a rule of this layer: the core has no complex).
+_COMPLEX_OPS = (SUM, AVG, PREMUL_SUM)
+#: Why the core refuses an op on a dtype, by op (the rule itself is the core's).
+_REFUSED = {BAND: "needs an integer or bool tensor, got {dtype}", BOR: "needs an integer or bool tensor, got {dtype}",
+            BXOR: "needs an integer or bool tensor, got {dtype}",
+            PREMUL_SUM: "needs a floating-point tensor, got {dtype}", AVG: "is not defined for {short} tensors"}
 _RED_OP_TYPE = dist.ReduceOp.RedOpType
 
 # c10d's options classes, grouped by the fields they carry (all have .timeout).
@@ -163,12 +173,9 @@ def check_op(op: int, buf: staging.HostBuffer, arg: str) -> None:
     name = OP_NAMES[op]
     if dtype.is_complex and op not in _COMPLEX_OPS:
         raise TypeError(f"{arg}: ReduceOp.{name} is not defined for complex dtype {dtype}; use SUM, AVG or PREMUL_SUM")
-    if op in (BAND, BOR, BXOR) and (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"{arg}: ReduceOp.{name} needs an integer or bool tensor, got {dtype}")
-    if op == PREMUL_SUM and not (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"{arg}: ReduceOp.PREMUL_SUM needs a floating-point tensor, got {dtype}")
-    if op == AVG and dtype == torch.bool:
-        raise TypeError(f"{arg}: ReduceOp.AVG is not defined for bool tensors")
+    if op not in _OPS_OF[buf.dtype]:  # complex: the rules of its real dtype
+        why = _REFUSED.get(op, "is not defined for {dtype}")
+        raise TypeError(f"{arg}: ReduceOp.{name} " + why.format(dtype=dtype, short=str(dtype).removeprefix("torch.")))
     _VALID_OP_DTYPES.add((op, dtype))
 
 
@@ -212,3 +219,21 @@ def with_context(exc: Exception, message: str) -> Exception:
         return type(exc)(message)
     except Exception:  # noqa: BLE001  an exception type with another constructor
         return RuntimeError(message)
+
+
+def disagreement(message: str, kind: str, rank: int, peer: int, expected, got, pairs: int | None = None) -> ValueError:
+    """``ValueError(message)`` with the fields the core's binding sets on a disagreement
+    (``rust/binding/errors.rs``), for the hierarchy's own checks to raise the same shape.
+
+    Args:
+        kind: ``"counts"`` (per-peer counts) or ``"calls"`` (different calls at one position).
+        rank, peer: the two ranks (group ranks; node indices between node leaders).
+        expected, got: counts: elements ``peer`` expects from ``rank`` and ``rank`` sends it;
+            calls: the collective kind names ``rank`` and ``peer`` called.
+        pairs: counts only: how many pairs disagree.
+    """
+    exc = ValueError(message)
+    exc.kind, exc.rank, exc.peer, exc.expected, exc.got = kind, rank, peer, expected, got
+    if pairs is not None:
+        exc.pairs = pairs
+    return exc

@@ -111,7 +111,8 @@ def attach(layout, timeout_s: float, where: str):
     """
     path = layout.path
     try:
-        return _core.Communicator(path, layout.local_rank, layout.local_size, timeout_s, layout.pids)
+        return _core.Communicator(path, layout.local_rank, layout.local_size, timeout_s, layout.pids,
+                                  **config.core_settings())
     except FileNotFoundError as exc:  # the others removed it: they gave up before we attached
         raise RuntimeError(f"{where}: attaching to {path}: the segment is gone: the other ranks gave up "
                            "setting up the group before this rank attached (a rank exited, or the timeout "
@@ -481,7 +482,7 @@ class CollectiveBase:
 
     def _error(self, name: str, exc: Exception) -> Exception:
         """Re-create ``exc`` with the group, rank and collective in its message."""
-        detail = alltoall_errors.name_arguments(name, str(exc))
+        detail = alltoall_errors.name_arguments(name, exc)
         message = f"flagos_shm {name} on group {self._group_name!r} (rank {self._rank}/{self._world_size}): {detail}"
         try:
             wrapped = type(exc)(message)

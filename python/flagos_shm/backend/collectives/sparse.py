@@ -17,12 +17,12 @@ import torch
 
 from ... import staging
 from ...work import ShmWork
+from .. import options
 from .base import SLOW, CollectiveBase
 
 __all__ = ["SparseReduction"]
 
 _MAX_DIMS = 16  # dimensions of a sparse tensor's shape carried in the first gather
-_SUM = 0
 _DTYPES = (*staging.CORE_DTYPES, torch.complex32, torch.complex64, torch.complex128)  # codes in the first gather
 
 
@@ -60,7 +60,7 @@ class SparseReduction(CollectiveBase):
                 layout = getattr(tensor, "layout", type(tensor).__name__)
                 raise TypeError(f"tensors[0]: expected a sparse COO tensor, got {layout}")
             a = self._args(opts, "op")
-            if a.op != _SUM:
+            if a.op != options.SUM:
                 raise ValueError("flagos_shm sparse allreduce supports only ReduceOp.SUM (as Gloo)")
             staging.core_dtype(tensor.dtype, "tensors[0]")
             if tensor.dim() > _MAX_DIMS:

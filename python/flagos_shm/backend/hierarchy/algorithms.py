@@ -22,7 +22,8 @@ from torch._C._distributed_c10d import AllToAllOptions, BroadcastOptions
 
 from ... import staging
 from . import alltoallv_coalesced, groups, rs
-from .host import _TORCH, AVG, PREMUL_SUM, SUM, _acc_dtype, _checked_view, _clone, _convert, _nbytes, _reduce_into
+from ..options import AVG, PREMUL_SUM, SUM
+from .host import _TORCH, _acc_dtype, _checked_view, _clone, _convert, _nbytes, _reduce_into
 from .protocol import _ALLTOALL_NAMES, _DTYPE_CODE, _KIND_CODE, aborting, factor_code
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch._C._distributed_c10d import AllToAllOptions
 
+from .. import options
 from . import groups
 from ... import staging
 from .host import _TORCH, _checked_view, _clone
@@ -40,9 +41,10 @@ def alltoallv(comm, in_ptr, in_nbytes, out_ptr, out_nbytes, send_counts, recv_co
             bad = [(p, q) for p in range(n) for q in range(n) if rows[p, q] != rows[q, n + p]]
             if bad:
                 p, q = bad[0]
-                raise ValueError(f"split sizes disagree between ranks: rank {p} sends {int(rows[p, q])} elements "
-                                 f"to rank {q}, which expects {int(rows[q, n + p])} from it ({len(bad)} such "
-                                 "pair(s)); no data was exchanged")
+                got, expected = int(rows[p, q]), int(rows[q, n + p])
+                raise options.disagreement(f"split sizes disagree between ranks: rank {p} sends {got} elements to "
+                                           f"rank {q}, which expects {expected} from it ({len(bad)} such pair(s)); "
+                                           "no data was exchanged", "counts", p, q, expected, got, len(bad))
             if int(rows[:, :n].sum()):
                 comm._gloo("all").alltoall_base(out, inp, [c * es for c in recv], [c * es for c in send],
                                                 groups.timed(AllToAllOptions, t)).wait()

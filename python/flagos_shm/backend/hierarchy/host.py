@@ -21,7 +21,7 @@ import torch
 
 from ... import _core, staging
 
-SUM, AVG, PRODUCT, MIN, MAX, BAND, BOR, BXOR, PREMUL_SUM = range(9)
+from ..options import AVG
 _TORCH = {name: dtype for dtype, name in staging.CORE_DTYPES.items()}
 
 

@@ -16,24 +16,30 @@ import struct
 
 import torch
 
-from ... import staging
+from ... import _core
 from .. import options
 from . import groups
-from .host import PREMUL_SUM
 
-_DTYPE_CODE = {name: i + 1 for i, name in enumerate(staging.CORE_DTYPES.values())}
-_KINDS = ("barrier", "allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "gather", "scatter", "alltoall",
-          "allreduce_rs", "reduce_rs", "reduce_scatter_rs")  # *_rs: the path of :mod:`.rs`
-_KIND_CODE = {k: i + 1 for i, k in enumerate(_KINDS)}
+#: Descriptor codes of dtypes and kinds: the core's (``_core.DTYPE_CODES``, ``_core.KINDS``),
+#: then this layer's own kinds after them (*_rs: the path of :mod:`.rs`).
+_DTYPE_CODE = dict(_core.DTYPE_CODES)
+_KIND_CODE = {**_core.KINDS, **{k: max(_core.KINDS.values()) + 1 + i
+                                for i, k in enumerate(("allreduce_rs", "reduce_rs", "reduce_scatter_rs"))}}
+_KIND_NAME = {code: name for name, code in _KIND_CODE.items()}
 _ALLTOALL_NAMES = ("alltoall", "all_to_all_single", "alltoall_base", "alltoallv")
 _HEADER = 6  # fields of a descriptor after the failure flag (kind, count, dtype, op, root, factor)
+
+
+def _kind_name(code: int) -> str:
+    """The name of descriptor kind ``code`` (its number when it is none of :data:`_KIND_CODE`)."""
+    return _KIND_NAME.get(code, str(code))
 
 
 def factor_code(op: int, factor: float) -> int:
     """The descriptor's factor field: PREMUL_SUM's factor as the int64 of its float64 bits
     (so that nodes that scale by different factors disagree, as ranks of one node do in
     the core), 0 for every other op."""
-    return struct.unpack("<q", struct.pack("<d", float(factor)))[0] if op == PREMUL_SUM else 0
+    return struct.unpack("<q", struct.pack("<d", float(factor)))[0] if op == options.PREMUL_SUM else 0
 
 
 def _factor(code: int) -> float:
@@ -70,22 +76,25 @@ class Protocol:
             (lambda k: f"group rank {k}")
         bad = [k for k in range(rows.shape[0]) if rows[k, 0]]
         if bad:
-            raise ValueError(f"flagos_shm {_KINDS[header[0] - 1]}: {', '.join(map(who, bad))} rejected the call "
+            raise ValueError(f"flagos_shm {_kind_name(header[0])}: {', '.join(map(who, bad))} rejected the call "
                              "(a rank there failed it; see its error)")
-        if not bool((rows[:, 1:] == mine[1:]).all()):
+        differ = [k for k in range(rows.shape[0]) if not bool((rows[k, 1:] == mine[1:]).all())]
+        if differ:
             calls = "; ".join(f"{who(k)}: {self._describe(rows[k, 1:].tolist())}" for k in range(rows.shape[0]))
-            raise ValueError(f"flagos_shm: ranks disagree on the collective (kind, element count, dtype, op, "
-                             f"PREMUL_SUM factor, root): {calls}")
+            me = self._node_of[self._rank] if group == "leaders" else self._rank
+            raise options.disagreement(f"flagos_shm: ranks disagree on the collective (kind, element count, dtype, "
+                                       f"op, PREMUL_SUM factor, root): {calls}", "calls", me, differ[0],
+                                       _kind_name(header[0]), _kind_name(int(rows[differ[0], 1])))
 
     @staticmethod
     def _describe(h: list) -> str:
-        kind = _KINDS[h[0] - 1] if 0 < h[0] <= len(_KINDS) else h[0]
+        kind = _kind_name(h[0])
         dtype = next((n for n, c in _DTYPE_CODE.items() if c == h[2]), h[2])
         if kind == "alltoall":  # element count -1: per-peer counts (alltoallv), exchanged next
             return (f"alltoallv({dtype}, per-peer counts: split sizes or tensor lists)" if h[1] == -1 else
                     f"alltoall({h[1]} x {dtype} to each rank: no split sizes)")
         op = options.OP_NAMES[h[3]] if 0 <= h[3] < 9 else h[3]
-        if h[3] == PREMUL_SUM and len(h) > 5:
+        if h[3] == options.PREMUL_SUM and len(h) > 5:
             op = f"{op} factor {_factor(h[5])!r}"
         return f"{kind}({h[1]} x {dtype}, op {op}, root {h[4]})"
 
@@ -114,7 +123,7 @@ class Protocol:
                         inter()
                 except ValueError:
                     if post is not None:
-                        self.local.fail(_KINDS[header[0] - 1], "", timeout_s)
+                        self.local.fail(_kind_name(header[0]), "", timeout_s)
                     raise
                 except RuntimeError as exc:
                     raise options.with_context(exc, f"between the node leaders (Gloo; another node failed, or its "

@@ -39,7 +39,8 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from ... import staging
 from .. import config
 from . import groups
-from .host import AVG, PREMUL_SUM, SUM, _acc_dtype, _clone, _convert, _nbytes, _reduce_into
+from ..options import AVG, PREMUL_SUM, SUM
+from .host import _acc_dtype, _clone, _convert, _nbytes, _reduce_into
 from .protocol import _DTYPE_CODE, _KIND_CODE, factor_code
 
 __all__ = ["eligible", "allreduce_rs", "close_columns"]

@@ -1,0 +1,49 @@
+"""The core's settings are read by ``flagos_shm.backend.config`` alone and passed to
+``_core.Communicator``: the config reads each word as the README's table says, and the core
+obeys the value passed, not the environment (``rust/tests/settings.rs`` checks the same in
+Rust). One rank, no process group."""
+
+from __future__ import annotations
+
+import pytest
+
+from flagos_shm import _core
+from flagos_shm.backend import config
+
+#: FLAGOS_SHM_STREAM words and the mode they choose.
+STREAM_WORDS = {"0": "plain", "off": "plain", " Never ": "plain", "FALSE": "plain", "1": "stream", "always": "stream",
+                "ON": "stream", "auto": "auto", "": "auto", "maybe": "auto"}
+
+
+def test_config_reads_the_core_settings_with_one_set_of_words(monkeypatch):
+    for word, mode in STREAM_WORDS.items():
+        monkeypatch.setenv("FLAGOS_SHM_STREAM", word)
+        assert config.stream_mode() == mode, word
+    for word, on in {"0": False, "Off": False, " no ": False, "false": False, "1": True, "": True, "yes": True}.items():
+        monkeypatch.setenv("FLAGOS_SHM_CMA", word)
+        monkeypatch.setenv("FLAGOS_SHM_PROGRESS_BATCH", word)
+        assert (config.single_copy(), config.progress_batch()) == (on, on), word
+    for raw, want in {"": None, "0": 0, " 4096 ": 4096, "64K": None}.items():
+        monkeypatch.setenv("FLAGOS_SHM_CMA_MIN_BYTES", raw)
+        assert config.single_copy_min_bytes() == want, raw
+    monkeypatch.setenv("FLAGOS_SHM_CMA_MIN_BYTES", "8192")
+    monkeypatch.setenv("FLAGOS_SHM_STREAM", "never")
+    monkeypatch.setenv("FLAGOS_SHM_CMA", "off")
+    assert config.core_settings() == {"single_copy": False, "single_copy_min_bytes": 8192, "stream": "plain",
+                                      "progress_batch": True}
+
+
+@pytest.mark.parametrize("stream", ["plain", "stream", "auto"])
+def test_the_core_obeys_the_passed_stream_mode_not_the_environment(monkeypatch, tmp_path, stream):
+    opposite = {"plain": "always", "stream": "never", "auto": "never"}[stream]
+    monkeypatch.setenv("FLAGOS_SHM_STREAM", opposite)
+    comm = _core.Communicator(_core.create_segment(str(tmp_path), 1, 1 << 16), 0, 1, 5.0, stream=stream)
+    try:
+        assert comm.stream_mode == stream
+    finally:
+        comm.close()
+
+
+def test_a_stream_word_the_core_does_not_know_raises_naming_the_argument(tmp_path):
+    with pytest.raises(ValueError, match=r"^stream: expected 'plain', 'stream' or 'auto', got \"always\""):
+        _core.Communicator(_core.create_segment(str(tmp_path), 1, 1 << 16), 0, 1, 5.0, stream="always")
