@@ -50,3 +50,15 @@ def test_hierarchy_descriptor_codes_extend_the_cores():
     assert protocol._DTYPE_CODE == _core.DTYPE_CODES
     assert {k: protocol._KIND_CODE[k] for k in _core.KINDS} == _core.KINDS
     assert len(set(protocol._KIND_CODE.values())) == len(protocol._KIND_CODE)
+
+
+def test_partial_results_are_carried_in_the_documented_dtypes():
+    """The README's rule for reductions split into levels: half types in float32, integer AVG
+    in int64 (exact sum, divided once), everything else in its own dtype."""
+    small_ints = ("int8", "uint8", "int16", "int32")
+    avg = _core.REDUCE_OPS["AVG"]
+    for name in _core.DTYPES:
+        for code in _core.REDUCE_OPS.values():
+            want = ("float32" if name in ("float16", "bfloat16")
+                    else "int64" if name in small_ints and code == avg else name)
+            assert _core.CARRY_DTYPES[name][code] == want, (name, code)

@@ -15,14 +15,17 @@ aborted group), OSError (shared-memory files).
 from typing import Callable, Dict, List, Optional, Tuple
 
 __version__: str
-#: The core's dtype names, in its order (``rust/reduce.rs``, ``DType::ALL``).
+#: The core's dtype names, in its order (``rust/reduce/mod.rs``, ``DType::ALL``).
 DTYPES: List[str]
 #: The core's vocabulary, each in code order (``rust/binding/mod.rs``, ``add_vocabulary``):
 #: dtype name to its descriptor code; reduce-op name to torch's ``RedOpType`` code; dtype name
-#: to the codes of the ops the core defines on it; collective kind name to its descriptor code.
+#: to the codes of the ops the core defines on it; dtype name to, per op code, the dtype name
+#: partial results are carried in across levels (``DType::carried_in``); collective kind name
+#: to its descriptor code.
 DTYPE_CODES: Dict[str, int]
 REDUCE_OPS: Dict[str, int]
 REDUCE_OP_DTYPES: Dict[str, List[int]]
+CARRY_DTYPES: Dict[str, Dict[int, str]]
 KINDS: Dict[str, int]
 #: Bytes per chunk slot on a large enough file system; ``SMALL_SLOT_BYTES`` otherwise.
 DEFAULT_SLOT_BYTES: int

@@ -48,7 +48,7 @@ ENV_PINNED_POOL_BYTES = "FLAGOS_SHM_PINNED_POOL_BYTES"
 DEFAULT_PINNED_POOL_BYTES = 256 << 20
 
 #: torch dtype -> the core's dtype name: the core's own table (``_core.DTYPES``, in its
-#: order, which the hierarchy's wire codes follow; ``rust/reduce.rs``, ``DType::ALL``), whose
+#: order, which the hierarchy's wire codes follow; ``rust/reduce/mod.rs``, ``DType::ALL``), whose
 #: names are torch's. Complex dtypes are handled as their real component dtype
 #: (``torch.view_as_real``).
 CORE_DTYPES: dict[torch.dtype, str] = {getattr(torch, name): name for name in _core.DTYPES}

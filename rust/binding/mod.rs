@@ -76,16 +76,22 @@ fn segment_bytes(world_size: usize, slot_bytes: usize) -> PyResult<usize> {
 /// The core's vocabulary, for Python to derive its tables from (each a dict in code order):
 /// `DTYPE_CODES` (dtype name to the code in descriptors), `REDUCE_OPS` (op name to torch's
 /// `RedOpType` code), `REDUCE_OP_DTYPES` (dtype name to the codes of the ops it takes, by
-/// `Reduction::new`), `KINDS` (collective kind name to its descriptor code).
+/// `Reduction::new`), `CARRY_DTYPES` (dtype name to, per op code, the dtype name partial
+/// results are carried in across levels: `DType::carried_in`), `KINDS` (collective kind
+/// name to its descriptor code).
 fn add_vocabulary(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let dtypes: Vec<(&str, u32)> = DType::ALL.iter().map(|&d| (d.name(), d as u32)).collect();
     let ops: Vec<(&str, u32)> = ReduceOp::ALL.iter().map(|&o| (o.name(), o as u32)).collect();
     let takes = |d: DType| ReduceOp::ALL.iter().filter(|&&o| Reduction::new(d, o, 1.0, 1).is_ok()).map(|&o| o as u32).collect::<Vec<_>>();
     let rules: Vec<(&str, Vec<u32>)> = DType::ALL.iter().map(|&d| (d.name(), takes(d))).collect();
+    let carry = |d: DType| ReduceOp::ALL.iter().map(|&o| (o as u32, d.carried_in(o).name())).collect::<Vec<_>>();
+    let carried: Vec<(&str, Vec<(u32, &str)>)> = DType::ALL.iter().map(|&d| (d.name(), carry(d))).collect();
+    let carried = carried.into_iter().map(|(d, by_op)| Ok((d, by_op.into_py_dict(m.py())?))).collect::<PyResult<Vec<_>>>()?;
     let kinds: Vec<(&str, u8)> = Kind::ALL.iter().map(|&k| (k.name(), k as u8)).collect();
     m.add("DTYPE_CODES", dtypes.into_py_dict(m.py())?)?;
     m.add("REDUCE_OPS", ops.into_py_dict(m.py())?)?;
     m.add("REDUCE_OP_DTYPES", rules.into_py_dict(m.py())?)?;
+    m.add("CARRY_DTYPES", carried.into_py_dict(m.py())?)?;
     m.add("KINDS", kinds.into_py_dict(m.py())?)?;
     Ok(())
 }

@@ -85,6 +85,19 @@ impl DType {
         })
     }
 
+    /// The dtype in which partial results of `op` over this type are carried when a
+    /// reduction is split into levels (within each node, then across nodes), so that the
+    /// split gives what one level gives: `float16`/`bfloat16` in `float32` (rounded once at
+    /// the end, as the kernels do), integer AVG in `int64` (the exact sum, divided once);
+    /// every other pair in the type itself (integer sums wrap alike at every width).
+    pub fn carried_in(self, op: ReduceOp) -> DType {
+        match (self, op) {
+            (DType::F16 | DType::BF16, _) => DType::F32,
+            (DType::I8 | DType::U8 | DType::I16 | DType::I32, ReduceOp::Avg) => DType::I64,
+            _ => self,
+        }
+    }
+
     pub fn from_code(code: u32) -> Option<DType> {
         DType::ALL.into_iter().find(|d| *d as u32 == code)
     }

@@ -24,7 +24,7 @@ Algorithms (``L`` = in-node step through shared memory, ``G`` = among the leader
   leader combines them in node order (so every leader computes the same bits), L broadcast.
   float16/bfloat16 are reduced in float32 and rounded once at the end; integer AVG sums in
   int64 and divides rounding toward zero; AVG divides by the group size; PREMUL_SUM scales
-  in the node step: the core's rules (see ``rust/reduce.rs``), applied per level. Results
+  in the node step: the core's rules (see ``rust/reduce/mod.rs``), applied per level. Results
   are bitwise identical on every rank; they may differ in the last bit from the one-node
   order (ranks are combined node by node). From ``FLAGOS_SHM_HIER_RS_MIN_BYTES`` on nodes of
   equal size: L reduce-scatter, Gloo among the ranks of each local rank, L allgather

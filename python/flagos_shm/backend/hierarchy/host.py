@@ -2,7 +2,7 @@
 
 Every inter-node step works on host memory: the core ``Communicator`` interface hands raw
 addresses, byte lengths, element counts and core dtype names, viewed here as 1-D tensors
-(no copy). The reduction across levels follows the core's rules (``rust/reduce.rs``):
+(no copy). The reduction across levels follows the core's rules (``rust/reduce/mod.rs``):
 float16/bfloat16 accumulate in float32, integer AVG sums in int64.
 
 The leaders' combinations, conversions and copies run on the calling thread through the
@@ -21,7 +21,6 @@ import torch
 
 from ... import _core, staging
 
-from ..options import AVG
 _TORCH = {name: dtype for dtype, name in staging.CORE_DTYPES.items()}
 
 
@@ -54,12 +53,10 @@ def _view(ptr: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _acc_dtype(dtype: torch.dtype, op: int) -> torch.dtype:
-    """The dtype a reduction accumulates in across levels (the core's rules)."""
-    if dtype in (torch.float16, torch.bfloat16):
-        return torch.float32
-    if op == AVG and not dtype.is_floating_point and dtype not in (torch.int64, torch.bool):
-        return torch.int64  # integer AVG: the exact sum, then division rounding toward zero
-    return dtype
+    """The dtype a reduction of ``dtype`` by ``op`` (a ``REDUCE_OPS`` code) is carried in across
+    levels, so that reducing within each node and then across nodes gives what one level gives:
+    the core's rule (``_core.CARRY_DTYPES``, ``DType::carried_in`` in ``rust/reduce/mod.rs``)."""
+    return _TORCH[_core.CARRY_DTYPES[staging.CORE_DTYPES[dtype]][op]]
 
 
 def _reduce_into(dst: torch.Tensor, srcs, op: int, factor: float = 1.0, world: int = 1) -> None:
