@@ -39,7 +39,7 @@ import logging
 import torch
 import torch.distributed.distributed_c10d as c10d_py
 
-from . import config
+from .. import config
 
 __all__ = ["extend", "shm_devices"]
 

@@ -35,9 +35,8 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from .. import _core
-from . import config
-from .config import segment_config
+from .. import _core, config
+from ..config import segment_config
 
 __all__ = ["Layout", "SetupError", "attach", "identity", "leave_together", "publish_pid", "rendezvous"]
 

@@ -47,8 +47,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from .. import _compat
-from . import config, device_map
+from .. import _compat, config
+from . import device_map
 from .adapter import shm_part
 
 __all__ = ["install", "installed"]

@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from ... import _core, staging
+from ... import _core, config, staging
 from ...work import ShmWork
-from .. import config, options, plan
+from .. import options, plan
 from . import alltoall_errors
 from ..rendezvous import attach, describe_layout, rendezvous
 

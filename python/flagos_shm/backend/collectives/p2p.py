@@ -40,7 +40,7 @@ from typing import Optional
 from ... import _core, staging
 from ...work import ShmWork
 from .. import options
-from ..config import segment_config
+from ...config import segment_config
 from ..hierarchy import p2p as hierarchy_p2p
 from .base import CollectiveBase
 

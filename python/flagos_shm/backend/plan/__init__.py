@@ -56,7 +56,8 @@ import os
 import time
 from typing import Tuple
 
-from .. import config, options, rendezvous
+from ... import config
+from .. import options, rendezvous
 from .cache import CACHE_SCHEMA, SETTLE_RUNS, cache_dir, load_cached, machine_key, store_cached
 from .calibrate import BURST, GRID, ROUNDS, _set, calibrate
 from .decide import _band as _band  # the band rule, which the plan's tests check directly

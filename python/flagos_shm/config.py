@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import os
 
-from .. import _core
+from . import _core
 
 ENV_DIR = "FLAGOS_SHM_DIR"
 ENV_SLOT_BYTES = "FLAGOS_SHM_SLOT_BYTES"
