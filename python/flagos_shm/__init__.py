@@ -17,7 +17,6 @@ backend="flagos_shm")``) gets its own shared-memory segment, created in ``FLAGOS
 
 from __future__ import annotations
 
-import os as _os
 import warnings as _warnings
 
 import torch.distributed as _dist
@@ -42,9 +41,10 @@ __version__: str = _core.__version__
 #: PrivateUse1 device under any name (:mod:`flagos_shm.backend.device_map`).
 DEVICES: list[str] = ["cpu", "flagos"]
 
-#: Environment variable: "1" makes ``import flagos_shm`` enable the emulated flagos device
+#: Environment variable: ``1`` (any value but an off word: :func:`flagos_shm.config.parse_flag`)
+#: makes ``import flagos_shm`` enable the emulated flagos device
 #: (:func:`flagos_shm.emulation.enable`) when no real one is registered.
-ENV_EMULATE = "FLAGOS_SHM_EMULATE"
+ENV_EMULATE = _config.ENV_EMULATE
 
 
 def __getattr__(name: str):
@@ -80,5 +80,5 @@ def register() -> None:
 
 register()
 
-if _os.environ.get(ENV_EMULATE, "").strip() in ("1", "true", "yes"):
+if _config.emulate():
     emulation.enable()

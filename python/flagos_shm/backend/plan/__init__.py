@@ -58,7 +58,7 @@ from typing import Tuple
 
 from ... import config
 from .. import options, rendezvous
-from .cache import CACHE_SCHEMA, SETTLE_RUNS, cache_dir, load_cached, machine_key, store_cached
+from .cache import CACHE_SCHEMA, SETTLE_RUNS, load_cached, machine_key, store_cached
 from .calibrate import BURST, GRID, ROUNDS, _set, calibrate
 from .decide import _band as _band  # the band rule, which the plan's tests check directly
 from .decide import MARGIN, decide, merge
@@ -66,7 +66,7 @@ from .keys import FALLBACK, KEYS, SINGLE_COPY_KEYS, SINGLE_COPY_MAX_KEYS, SINGLE
 from .parse import parse
 
 __all__ = ["BURST", "BUSY_MARGIN", "CACHE_SCHEMA", "FALLBACK", "GRID", "KEYS", "MARGIN", "ROUNDS", "RUN_GAP_S",
-           "SETTLE_RUNS", "SINGLE_COPY_KEYS", "SINGLE_COPY_MAX_KEYS", "SINGLE_COPY_OPS", "cache_dir", "calibrate",
+           "SETTLE_RUNS", "SINGLE_COPY_KEYS", "SINGLE_COPY_MAX_KEYS", "SINGLE_COPY_OPS", "calibrate",
            "decide", "describe", "load_cached", "machine_key", "merge", "parse", "setup", "store_cached",
            "valid_plan"]
 
@@ -79,7 +79,7 @@ BUSY_MARGIN = 1.0
 
 
 def _request() -> str:
-    return json.dumps({"plan": os.environ.get(config.ENV_PLAN, "").strip() or "auto",
+    return json.dumps({"plan": config.plan_request(),
                        "cma_min_bytes": config.cma_min_bytes()})
 
 

@@ -1,5 +1,6 @@
-"""The plan cache: one file per machine (:func:`machine_key`) under :func:`cache_dir`, holding
-up to :data:`SETTLE_RUNS` calibrations and the plan decided from them."""
+"""The plan cache: one file per machine (:func:`machine_key`) in
+:func:`flagos_shm.config.cache_dir`, holding up to :data:`SETTLE_RUNS` calibrations and the
+plan decided from them."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import tempfile
 import time
 from typing import List, Optional
 
+from ... import config
 from .calibrate import GRID
 from .decide import decide, merge
 from .keys import SINGLE_COPY_OPS, valid_plan
@@ -34,15 +36,6 @@ CACHE_SCHEMA = 6
 SETTLE_RUNS = 3
 
 
-def cache_dir() -> str:
-    """``$FLAGOS_SHM_CACHE_DIR`` (as the emulator's cache), else ``$XDG_CACHE_HOME/flagos_shm``,
-    else ``~/.cache/flagos_shm``."""
-    if os.environ.get("FLAGOS_SHM_CACHE_DIR"):
-        return os.environ["FLAGOS_SHM_CACHE_DIR"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "flagos_shm")
-
-
 def _cpu_model() -> str:
     with contextlib.suppress(OSError):
         with open("/proc/cpuinfo") as fh:
@@ -61,7 +54,7 @@ def machine_key(world_size: int, slot_bytes: int, single_copy: bool) -> str:
 
 
 def _cache_path(key: str) -> str:
-    return os.path.join(cache_dir(), f"plan-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json")
+    return os.path.join(config.cache_dir(), f"plan-{hashlib.sha256(key.encode()).hexdigest()[:20]}.json")
 
 
 def _valid_runs(runs) -> bool:

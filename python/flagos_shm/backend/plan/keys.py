@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Dict, Optional, Tuple
 
 from ... import _core
+from ...config import SIZE_LIMIT
 
 #: The plan's keys (``rust/plan.rs``, ``KEYS``): the one-shot allreduce limit, then per
 #: collective that has a single-copy path the start and the end of its single-copy band.
@@ -19,8 +20,6 @@ SINGLE_COPY_MAX_KEYS = tuple(k for k in KEYS if k.endswith("_single_copy_max_byt
 SINGLE_COPY_OPS: Tuple[str, ...] = tuple(k[:-len("_single_copy_min_bytes")] for k in SINGLE_COPY_KEYS)
 #: The core's plan before a measured one is set (rust/plan.rs, ``Plan::FALLBACK``).
 FALLBACK: Dict[str, Optional[int]] = dict(_core.PLAN_FALLBACK)
-#: Thresholds are the core's 64-bit sizes (``usize``): every one is below this.
-SIZE_LIMIT = 1 << 64
 
 
 def valid_plan(plan) -> bool:
