@@ -22,9 +22,9 @@ import warnings as _warnings
 import torch.distributed as _dist
 
 from . import _core  # fails at import time when the extension is missing
+from . import config as _config
 from . import emulation  # noqa: F401  (flagos_shm.emulation.enable() after import flagos_shm)
 from .backend import BACKEND_NAME, ShmGroup, create_backend
-from . import config as _config
 from .backend import torch_patches as _torch_patches
 from .work import ShmWork
 
