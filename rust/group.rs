@@ -33,7 +33,7 @@ pub type InterruptHook = Box<dyn Fn() -> bool + Send + Sync>;
 /// One rank's handle on a group's segment. Calls on one communicator are serialised by
 /// `&mut self`; every rank of the group must issue the same collectives in the same order.
 /// What a communicator takes from its caller at attach; the core reads no environment (the
-/// Python side reads these from `FLAGOS_SHM_*` variables in `flagos_shm.backend.config` and
+/// Python side reads these from `FLAGOS_SHM_*` variables in `flagos_shm.config` and
 /// passes them to `_core.Communicator`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Settings {

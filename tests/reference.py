@@ -51,7 +51,7 @@ def slot_bytes() -> int:
     default group's size (``FLAGOS_SHM_SLOT_BYTES``, else the core's default for the segment
     directory: ``config.segment_config``); 256 KiB where flagos_shm is not importable."""
     try:
-        from flagos_shm.backend.config import segment_config
+        from flagos_shm.config import segment_config
     except ImportError:
         return DEFAULT_SLOT_BYTES
     return segment_config(dist.get_world_size() if dist.is_initialized() else 1)[1]

@@ -1,4 +1,4 @@
-"""The core's settings are read by ``flagos_shm.backend.config`` alone and passed to
+"""The core's settings are read by ``flagos_shm.config`` alone and passed to
 ``_core.Communicator``: the config reads each word as the README's table says, and the core
 obeys the value passed, not the environment (``rust/tests/settings.rs`` checks the same in
 Rust). One rank, no process group."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from flagos_shm import _core
-from flagos_shm.backend import config
+from flagos_shm import config
 
 #: FLAGOS_SHM_STREAM words and the mode they choose.
 STREAM_WORDS = {"0": "plain", "off": "plain", " Never ": "plain", "FALSE": "plain", "1": "stream", "always": "stream",

@@ -116,7 +116,7 @@ def test_leader_path_on_unequal_nodes_and_below_the_threshold(layout):
 
 
 def test_threshold_setting(monkeypatch):
-    from flagos_shm.backend import config
+    from flagos_shm import config
 
     monkeypatch.delenv(ENV_RS, raising=False)
     assert config.hier_rs_min_bytes() == config.DEFAULT_HIER_RS_MIN_BYTES == 4 << 20

@@ -470,7 +470,7 @@ def test_ctrl_c_in_recv_aborts_the_pair(worlds, route_env):
 
 def test_channel_geometry_from_environment(monkeypatch):
     from flagos_shm import _core
-    from flagos_shm.backend.collectives.p2p import ENV_P2P_SLOT_BYTES, ENV_P2P_SLOTS, p2p_geometry
+    from flagos_shm.config import ENV_P2P_SLOT_BYTES, ENV_P2P_SLOTS, p2p_geometry
 
     monkeypatch.delenv(ENV_P2P_SLOTS, raising=False)
     monkeypatch.delenv(ENV_P2P_SLOT_BYTES, raising=False)

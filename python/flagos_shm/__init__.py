@@ -17,17 +17,15 @@ backend="flagos_shm")``) gets its own shared-memory segment, created in ``FLAGOS
 
 from __future__ import annotations
 
-import os as _os
 import warnings as _warnings
 
 import torch.distributed as _dist
 
-from . import _compat
 from . import _core  # fails at import time when the extension is missing
+from . import config as _config
 from . import emulation  # noqa: F401  (flagos_shm.emulation.enable() after import flagos_shm)
 from .backend import BACKEND_NAME, ShmGroup, create_backend
-from .backend import config as _config
-from .backend import device_map as _device_map
+from .backend import torch_patches as _torch_patches
 from .work import ShmWork
 
 __all__ = ["__version__", "BACKEND_NAME", "DEVICES", "ENV_EMULATE", "ShmBackend", "ShmGroup", "ShmWork",
@@ -43,9 +41,10 @@ __version__: str = _core.__version__
 #: PrivateUse1 device under any name (:mod:`flagos_shm.backend.device_map`).
 DEVICES: list[str] = ["cpu", "flagos"]
 
-#: Environment variable: "1" makes ``import flagos_shm`` enable the emulated flagos device
+#: Environment variable: ``1`` (any value but an off word: :func:`flagos_shm.config.parse_flag`)
+#: makes ``import flagos_shm`` enable the emulated flagos device
 #: (:func:`flagos_shm.emulation.enable`) when no real one is registered.
-ENV_EMULATE = "FLAGOS_SHM_EMULATE"
+ENV_EMULATE = _config.ENV_EMULATE
 
 
 def __getattr__(name: str):
@@ -61,32 +60,25 @@ def register() -> None:
     """Register the ``"flagos_shm"`` backend with ``torch.distributed``.
 
     Called on import. Idempotent: a second call (or re-importing the package) keeps the
-    first registration and only re-asserts the device defaults. ``register_backend`` fills
-    only missing ``device -> backend`` defaults, so the ``flagos`` default is set explicitly:
-    whether a vendor plugin (torch_fl) or the emulator is imported before or after
-    flagos_shm, ``flagos`` maps to flagos_shm (a plugin imported later that remaps it on
-    purpose wins). ``cpu`` stays with gloo.
+    first registration and only re-asserts the device defaults.
 
-    It also adjusts torch's ``BackendConfig`` (:mod:`flagos_shm.backend.device_map`):
-    ``backend="gloo"`` groups then serve the PrivateUse1 device through flagos_shm unless
-    ``FLAGOS_SHM_EXTEND_GLOO=0``; and it lets ``dist.split_group`` and
-    ``dist.monitored_barrier`` reach flagos_shm's groups where this torch's versions of them
-    would not (:func:`flagos_shm._compat.install`). The c10d adapter itself is compiled at
-    the first group, not here.
+    Then it applies flagos_shm's changes to torch (each documented in
+    :mod:`flagos_shm.backend.torch_patches`): ``flagos`` maps to flagos_shm whichever
+    plugin registered it first (``cpu`` stays with gloo), ``backend="gloo"`` groups serve
+    the PrivateUse1 device through flagos_shm unless ``FLAGOS_SHM_EXTEND_GLOO=0``, and
+    ``dist.split_group`` and ``dist.monitored_barrier`` reach flagos_shm's groups where this
+    torch's versions of them would not. The c10d adapter itself is compiled at the first
+    group, not here.
     """
     if BACKEND_NAME.upper() not in _dist.Backend._plugins:
         _dist.Backend.register_backend(BACKEND_NAME, create_backend, extended_api=True,
                                        devices=list(DEVICES))
-    for device in DEVICES:
-        if device != "cpu":
-            _dist.Backend.default_device_backend_map[device] = BACKEND_NAME
-    _device_map.install(BACKEND_NAME)
-    _compat.install()
+    _torch_patches.install(BACKEND_NAME, DEVICES)
     for name, why in _config.retired().items():
         _warnings.warn(f"flagos_shm: {name} is no longer read: {why}", FutureWarning, stacklevel=2)
 
 
 register()
 
-if _os.environ.get(ENV_EMULATE, "").strip() in ("1", "true", "yes"):
+if _config.emulate():
     emulation.enable()

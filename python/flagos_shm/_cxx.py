@@ -31,10 +31,10 @@ import time
 
 import torch
 
-__all__ = ["BuildError", "build", "cache_root", "ENV_CACHE_DIR"]
+from . import config
 
-#: Environment variable: where compiled pieces (and measured plans) are cached.
-ENV_CACHE_DIR = "FLAGOS_SHM_CACHE_DIR"
+__all__ = ["BuildError", "build", "cache_root"]
+
 #: How long a compile may run before it is abandoned (seconds; 2 busy cores take about 40 s).
 COMPILE_TIMEOUT_S = 900
 
@@ -44,12 +44,9 @@ class BuildError(RuntimeError):
 
 
 def cache_root() -> str:
-    """``$FLAGOS_SHM_CACHE_DIR``, else ``$XDG_CACHE_HOME/flagos_shm``, else ``~/.cache/flagos_shm``."""
-    root = os.environ.get(ENV_CACHE_DIR)
-    if not root:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(xdg, "flagos_shm")
-    return root
+    """Where builds are cached: :func:`flagos_shm.config.cache_dir` (``$FLAGOS_SHM_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/flagos_shm``, else ``~/.cache/flagos_shm``), read now."""
+    return config.cache_dir()
 
 
 def _torch_version() -> str:

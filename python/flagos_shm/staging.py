@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import threading
 from typing import Optional
 
 import torch
 from torch.autograd.graph import increment_version as _increment_version
 
-from . import _core
+from . import _core, config
 
 __all__ = ["CORE_DTYPES", "HostBuffer", "PinnedPool", "core_dtype", "check", "stage", "scratch", "pack",
            "unpack", "concat", "split_into", "copy_into", "finish", "pinned_pool", "stage_device"]
@@ -42,10 +41,6 @@ __all__ = ["CORE_DTYPES", "HostBuffer", "PinnedPool", "core_dtype", "check", "st
 #: (``at::internal::GRAIN_SIZE``, aten/src/ATen/Parallel.h): :func:`copy_into` copies
 #: such tensors itself.
 _TORCH_GRAIN = 32768
-#: Environment variable: bytes of idle pinned host buffers kept for reuse between calls.
-ENV_PINNED_POOL_BYTES = "FLAGOS_SHM_PINNED_POOL_BYTES"
-#: Default of ``FLAGOS_SHM_PINNED_POOL_BYTES``: 256 MiB.
-DEFAULT_PINNED_POOL_BYTES = 256 << 20
 
 #: torch dtype -> the core's dtype name: the core's own table (``_core.DTYPES``, in its
 #: order, which the hierarchy's wire codes follow; ``rust/reduce/mod.rs``, ``DType::ALL``), whose
@@ -493,19 +488,11 @@ def pinned_pool() -> PinnedPool:
     ``FLAGOS_SHM_PINNED_POOL_BYTES``.
 
     Raises:
-        ValueError: the variable is not a non-negative integer.
+        ValueError: the variable is not a size (:func:`flagos_shm.config.parse_bytes`).
     """
     global _pool
     if _pool is None:
         with _pool_lock:
             if _pool is None:
-                raw = os.environ.get(ENV_PINNED_POOL_BYTES, "").strip()
-                try:
-                    limit = int(raw) if raw else DEFAULT_PINNED_POOL_BYTES
-                except ValueError:
-                    limit = -1
-                if limit < 0:
-                    raise ValueError(f"{ENV_PINNED_POOL_BYTES}={raw!r}: expected a non-negative integer "
-                                     f"number of bytes (default {DEFAULT_PINNED_POOL_BYTES})")
-                _pool = PinnedPool(limit)
+                _pool = PinnedPool(config.pinned_pool_bytes())
     return _pool

@@ -27,7 +27,7 @@ use std::time::Duration;
 /// `timeout_s` seconds; `RuntimeError` at once if a rank whose process id is in
 /// `peer_pids`, a list indexed by rank with 0 for unknown, exits before attaching) and
 /// unlinks the file. The keywords are this rank's settings (`rust/group.rs`, `Settings`;
-/// the core reads no environment, `flagos_shm.backend.config.core_settings` reads them):
+/// the core reads no environment, `flagos_shm.config.core_settings` reads them):
 /// `single_copy` False turns single-copy transfers off for the group, `single_copy_min_bytes`
 /// (bytes; the group takes the largest) replaces the plan's single-copy thresholds, `stream`
 /// is the first `stream_mode`, `progress_batch` False keeps the progress thread off

@@ -1,8 +1,8 @@
 """Which device types a group's backend string gives flagos_shm.
 
 torch registers a backend for each device type of the group's
-``BackendConfig`` map. :func:`install` makes two adjustments to that map, after torch's own
-parsing:
+``BackendConfig`` map. :func:`extend` makes two adjustments to that map, after torch's own
+parsing (:mod:`flagos_shm.backend.torch_patches` has torch's ``BackendConfig`` call it):
 
 1. ``backend="flagos_shm"`` (or no backend name where the accelerator's default is
    flagos_shm): the map names the device types this torch knows: ``cpu``,
@@ -39,13 +39,12 @@ import logging
 import torch
 import torch.distributed.distributed_c10d as c10d_py
 
-from . import config
+from .. import config
 
-__all__ = ["install", "installed", "shm_devices"]
+__all__ = ["extend", "shm_devices"]
 
 _log = logging.getLogger("flagos_shm")
 _logged = False
-_ORIGINAL = c10d_py.BackendConfig
 
 
 def _device_type() -> str | None:
@@ -85,38 +84,3 @@ def extend(cfg, backend, backend_name: str) -> None:
         _logged = True
         _log.info("flagos_shm: backend='gloo' groups serve %s tensors through flagos_shm "
                   "(CPU tensors stay on Gloo); set %s=0 to turn this off", device, config.ENV_EXTEND_GLOO)
-
-
-def installed() -> bool:
-    """Whether :func:`install` has replaced torch's ``BackendConfig``."""
-    return c10d_py.BackendConfig is not _ORIGINAL
-
-
-def install(backend_name: str) -> None:
-    """Make torch's ``BackendConfig`` adjust its map as described above (idempotent), and
-    keep torch's generic flight-recorder hook off flagos_shm's groups unless
-    ``FLAGOS_SHM_FLIGHT_RECORDER=1``.
-
-    ``distributed_c10d`` looks ``BackendConfig`` up as a module global at group creation
-    (``_new_process_group_helper``, ``split_group``), so a subclass there is seen by every
-    group made from then on; the subclass only changes the map, after torch's own parsing.
-    """
-    if installed():
-        return
-    # torch >= 2.15 attaches a Python flight-recorder hook to every group with a backend that
-    # does not record itself; it costs several microseconds per call (a 4-byte allreduce:
-    # 27 against 37 us on our loaded 2-vCPU VM). flagos_shm opts out unless asked.
-    self_recording = getattr(c10d_py, "_FR_SELF_RECORDING_BACKENDS", None)
-    if isinstance(self_recording, set) and not config.flight_recorder():
-        self_recording.add(backend_name)
-
-    class BackendConfig(_ORIGINAL):
-        __doc__ = _ORIGINAL.__doc__
-
-        def __init__(self, backend) -> None:
-            super().__init__(backend)
-            extend(self, backend, backend_name)
-
-    BackendConfig.__qualname__ = _ORIGINAL.__qualname__
-    BackendConfig.__module__ = _ORIGINAL.__module__
-    c10d_py.BackendConfig = BackendConfig

@@ -18,8 +18,8 @@ one shared-memory segment per node.
    naming them.
 
 The result is a :class:`Layout`. On one node (the usual case) it is today's single segment
-for the whole group; the :class:`~flagos_shm.backend.collectives.Collectives` layer then
-attaches a ``flagos_shm._core.Communicator`` to it, given every rank's process id (so a
+for the whole group, to which :func:`attach` attaches this rank's
+``flagos_shm._core.Communicator``, given every rank's process id (so a
 rank that exits before attaching is noticed at once there too). On several nodes
 :mod:`flagos_shm.backend.hierarchy` builds on it.
 """
@@ -35,11 +35,10 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from .. import _core
-from . import config
-from .config import segment_config
+from .. import _core, config
+from ..config import segment_config
 
-__all__ = ["Layout", "SetupError", "identity", "leave_together", "publish_pid", "rendezvous"]
+__all__ = ["Layout", "SetupError", "attach", "identity", "leave_together", "publish_pid", "rendezvous"]
 
 _log = logging.getLogger("flagos_shm")
 
@@ -324,6 +323,24 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) 
     except BaseException as exc:  # Ctrl-C and the like: leave at once
         publish_failure(store, base, rank, exc)
         raise
+
+
+def attach(layout, timeout_s: float, where: str):
+    """Attach a core ``Communicator`` to this rank's node segment of ``layout``.
+
+    Raises:
+        RuntimeError, ValueError: attaching failed (the message names ``where`` and the path).
+    """
+    path = layout.path
+    try:
+        return _core.Communicator(path, layout.local_rank, layout.local_size, timeout_s, layout.pids,
+                                  **config.core_settings())
+    except FileNotFoundError as exc:  # the others removed it: they gave up before we attached
+        raise RuntimeError(f"{where}: attaching to {path}: the segment is gone: the other ranks gave up "
+                           "setting up the group before this rank attached (a rank exited, or the timeout "
+                           f"passed) ({exc})") from exc
+    except (RuntimeError, ValueError) as exc:
+        raise type(exc)(f"{where}: attaching to {path}: {exc}") from exc
 
 
 def leave_together(store: dist.Store, base: str, rank: int, world_size: int, deadline: float) -> None:

@@ -13,7 +13,7 @@ import tempfile
 import time
 from typing import List, Optional, Tuple
 
-from .. import _launch
+from .. import _launch, config
 from .common import MPI_DTYPES
 from .machine import torch_cpu_hugepages
 from .plan import Plan
@@ -65,7 +65,7 @@ def run_mpi(plan: Plan, cpus: Optional[List[int]], timeout_s: float,
     if openmpi:  # may run more ranks than cores; our own pinning (--bind) instead of mpirun's
         cmd += ["--oversubscribe", "--bind-to", "none"]
     env = dict(os.environ)
-    env.pop("FLAGOS_SHM_EMULATE", None)
+    env.pop(config.ENV_EMULATE, None)
     for var in _launch.RANK_ENV + ("MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
         env.pop(var, None)
     if hasattr(os, "geteuid") and os.geteuid() == 0:  # Open MPI refuses root without these

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from datetime import timedelta
 from typing import List, Optional, Sequence, Tuple
 
-from .. import _launch
+from .. import _launch, config
 from . import limit
 from .common import (BANDWIDTH_DEFINITION, ITER_BUDGET_BYTES, MAX_ITERS, MIN_ITERS, REFERENCE, SCHEMA,
                      TIME_DEFINITION, human, iterations)
@@ -71,7 +71,7 @@ def worker(args, argv: Sequence[str]) -> int:
         _launch.bind_to_cpu(local_rank)
     plan.world_size = world_size  # (importing this module imported flagos_shm: backend registered)
     if args.nodes > 1:  # read when the flagos_shm group is created (backend/rendezvous.py)
-        os.environ["FLAGOS_SHM_NODE_ID"] = f"bench-node-{rank * args.nodes // world_size}"
+        os.environ[config.ENV_NODE_ID] = f"bench-node-{rank * args.nodes // world_size}"
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
     timeout = timedelta(seconds=args.timeout)

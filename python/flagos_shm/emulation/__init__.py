@@ -46,6 +46,8 @@ from typing import Optional
 
 import torch
 
+from .. import config
+
 __all__ = ["enable", "is_enabled", "build", "DEFAULT_DEVICE_COUNT", "MAX_DEVICE_COUNT"]
 
 #: Device count when neither the argument nor FLAGOS_SHM_EMULATE_DEVICES gives one.
@@ -56,7 +58,6 @@ MAX_DEVICE_COUNT = 64
 _NAME = "flagos"
 _LIB_NAME = "flagos_shm_emulation"
 _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "flagos_emu.cpp")
-_ENV_DEVICES = "FLAGOS_SHM_EMULATE_DEVICES"
 
 _lock = threading.Lock()
 _enabled = False
@@ -70,16 +71,10 @@ def is_enabled() -> bool:
 
 def _resolve_device_count(device_count: Optional[int]) -> int:
     if device_count is None:
-        raw = os.environ.get(_ENV_DEVICES, "").strip()
-        if not raw:
+        device_count = config.emulate_devices()  # ValueError naming the variable
+        if device_count is None:
             return DEFAULT_DEVICE_COUNT
-        try:
-            device_count = int(raw)
-        except ValueError:
-            raise ValueError(
-                f"{_ENV_DEVICES}: expected an integer in [1, {MAX_DEVICE_COUNT}], got {raw!r}"
-            ) from None
-        source = _ENV_DEVICES
+        source = config.ENV_EMULATE_DEVICES
     else:
         if not isinstance(device_count, int) or isinstance(device_count, bool):
             raise TypeError(

@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from ... import _core, staging
+from ... import _core, config, staging
 from ...work import ShmWork
-from .. import config, options, plan
+from .. import options, plan
 from . import alltoall_errors
-from ..rendezvous import describe_layout, rendezvous
+from ..rendezvous import attach, describe_layout, rendezvous
 
 _log = logging.getLogger("flagos_shm")
 
@@ -101,24 +101,6 @@ def _extents(tensors) -> list:
 
 def _overlap(a: list, b: list) -> bool:
     return any(da == db and sa < eb and sb < ea for da, sa, ea in a for db, sb, eb in b)
-
-
-def attach(layout, timeout_s: float, where: str):
-    """Attach a core ``Communicator`` to this rank's node segment of ``layout``.
-
-    Raises:
-        RuntimeError, ValueError: attaching failed (the message names ``where`` and the path).
-    """
-    path = layout.path
-    try:
-        return _core.Communicator(path, layout.local_rank, layout.local_size, timeout_s, layout.pids,
-                                  **config.core_settings())
-    except FileNotFoundError as exc:  # the others removed it: they gave up before we attached
-        raise RuntimeError(f"{where}: attaching to {path}: the segment is gone: the other ranks gave up "
-                           "setting up the group before this rank attached (a rank exited, or the timeout "
-                           f"passed) ({exc})") from exc
-    except (RuntimeError, ValueError) as exc:
-        raise type(exc)(f"{where}: attaching to {path}: {exc}") from exc
 
 
 class CollectiveBase:

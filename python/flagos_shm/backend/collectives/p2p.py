@@ -40,40 +40,15 @@ from typing import Optional
 from ... import _core, staging
 from ...work import ShmWork
 from .. import options
-from ..config import segment_config
+from ...config import p2p_geometry, segment_config
 from ..hierarchy import p2p as hierarchy_p2p
 from .base import CollectiveBase
 
-__all__ = ["PointToPoint", "P2PWork", "ENV_P2P_SLOTS", "ENV_P2P_SLOT_BYTES", "p2p_geometry"]
-
-#: Environment variable: slots per direction of a pair's channel (default 4).
-ENV_P2P_SLOTS = "FLAGOS_SHM_P2P_SLOTS"
-#: Environment variable: bytes of one slot (a multiple of 4096; default 64 KiB).
-ENV_P2P_SLOT_BYTES = "FLAGOS_SHM_P2P_SLOT_BYTES"
-DEFAULT_P2P_SLOTS = 4
-DEFAULT_P2P_SLOT_BYTES = 64 << 10
+__all__ = ["PointToPoint", "P2PWork"]
 
 _KEY = "flagos_shm/p2p"
 _ERROR = "error:"
 _ANY_POLL_MAX_S = 0.001  # recv_anysource polls its channels, backing off up to 1 ms
-
-
-def p2p_geometry() -> tuple[int, int]:
-    """(slots, slot_bytes) of new channels, from the environment.
-
-    Raises:
-        ValueError: a variable is not a valid number (checked by the core as well).
-    """
-    out = []
-    for name, default in ((ENV_P2P_SLOTS, DEFAULT_P2P_SLOTS), (ENV_P2P_SLOT_BYTES, DEFAULT_P2P_SLOT_BYTES)):
-        raw = os.environ.get(name, "").strip()
-        try:
-            out.append(int(raw) if raw else default)
-        except ValueError:
-            raise ValueError(f"{name}={raw!r}: expected an integer (default {default})") from None
-    slots, slot_bytes = out
-    _core.P2PChannel.segment_bytes(slots, slot_bytes)  # ValueError naming the bad one
-    return slots, slot_bytes
 
 
 class P2PWork(ShmWork):

@@ -1,5 +1,6 @@
 """Reductions: allreduce, reduce, reduce-scatter, and the coalesced batches of allreduce and
-reduce-scatter (one core collective per batch)."""
+reduce-scatter (one core collective per batch). ``allreduce`` hands a sparse tensor to
+:mod:`.sparse`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from torch._C import _distributed_c10d as c10d
 from ... import staging
 from ...work import ShmWork
 from .. import options
-from .base import SLOW, CollectiveBase, fast_dtype
+from .base import SLOW, fast_dtype
+from .sparse import SparseReduction
 
 _ALLREDUCE_OPTIONS = c10d.AllreduceOptions
 _REDUCE_SCATTER_OPTIONS = c10d.ReduceScatterOptions
@@ -40,16 +42,28 @@ def _naming(where: Callable[[], str], call):
     return named_call
 
 
-class Reduction(CollectiveBase):
-    """allreduce, allreduce_coalesced, reduce, reduce_scatter, reduce_scatter_single(_coalesced)."""
+class Reduction(SparseReduction):
+    """allreduce, allreduce_coalesced, reduce, reduce_scatter, reduce_scatter_single(_coalesced);
+    allreduce_sparse from :class:`~.sparse.SparseReduction`."""
 
     def allreduce(self, tensors, opts=None, timeout=None) -> ShmWork:
         """Reduce ``tensors[0]`` (or a bare tensor) in place across the group.
 
         Args:
-            tensors: a list with one tensor, or a tensor (DDP's join path).
+            tensors: a list with one tensor, or a tensor (DDP's join path). A sparse COO
+                tensor goes to :meth:`~.sparse.SparseReduction.allreduce_sparse`.
             opts: ``AllreduceOptions``, or a ``ReduceOp`` (older overload).
+            timeout: the call's timeout (``timedelta`` or seconds) where ``opts`` is not an
+                options object (one carries its own); None: the group's.
         """
+        if timeout is None:
+            done = self._allreduce_fast(tensors, opts)  # one contiguous CPU tensor
+            if done is not SLOW:
+                return done
+        tensor = tensors if isinstance(tensors, torch.Tensor) else (
+            tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else None)
+        if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
+            return self.allreduce_sparse([tensor], opts)
         name = "allreduce"
         with self._validating(name, (tensors,)):
             a = self._args(opts, "op", timeout=timeout)

@@ -6,9 +6,8 @@ concatenated in rank order and coalesced (duplicates summed), and the result is 
 the caller's tensor (``copy_`` replaces its indices and values). Every rank coalesces the
 same entries in the same order, so every rank's result is bitwise identical.
 
-Reached two ways: torch's per-device route calls ``allreduce_sparse`` for a sparse tensor;
-on the ``ProcessGroupShm`` route torch passes sparse tensors to ``allreduce``, which sends
-them here and dense ones on to the dense allreduce.
+torch calls ``allreduce_sparse`` for a sparse tensor; a sparse tensor passed to
+``allreduce`` (:class:`~.reduction.Reduction`) is sent here too.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import torch
 from ... import staging
 from ...work import ShmWork
 from .. import options
-from .base import SLOW, CollectiveBase
+from .base import CollectiveBase
 
 __all__ = ["SparseReduction"]
 
@@ -28,17 +27,6 @@ _DTYPES = (*staging.CORE_DTYPES, torch.complex32, torch.complex64, torch.complex
 
 class SparseReduction(CollectiveBase):
     """allreduce of sparse COO tensors (SUM)."""
-
-    def allreduce(self, tensors, opts=None, timeout=None) -> ShmWork:
-        if timeout is None:
-            done = self._allreduce_fast(tensors, opts)  # one contiguous CPU tensor: see Reduction
-            if done is not SLOW:
-                return done
-        tensor = tensors if isinstance(tensors, torch.Tensor) else (
-            tensors[0] if isinstance(tensors, (list, tuple)) and len(tensors) == 1 else None)
-        if isinstance(tensor, torch.Tensor) and tensor.layout != torch.strided:
-            return self.allreduce_sparse([tensor], opts)
-        return super().allreduce(tensors, opts, timeout)
 
     def allreduce_sparse(self, tensors, opts=None) -> ShmWork:
         """Sum the sparse COO ``tensors[0]`` across the group, in place.

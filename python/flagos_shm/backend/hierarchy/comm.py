@@ -14,7 +14,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from .. import options, plan, rendezvous
-from ..collectives.base import attach
 from . import groups, p2p, rs
 from .algorithms import Algorithms
 from .protocol import Protocol
@@ -57,7 +56,7 @@ class HierarchicalComm(Algorithms, Protocol):
         self._leaders: Optional[ProcessGroupGloo] = None
         local = None
         try:
-            local = self.local = attach(layout, timeout_s, where)
+            local = self.local = rendezvous.attach(layout, timeout_s, where)
             # this node's plan: each node may be another kind of machine (plan.setup)
             _, self.plan_source = plan.setup(local, store, layout, rank, world_size, where, timeout_s)
             if self.leader:  # once every node has attached

@@ -37,7 +37,7 @@ import torch
 from torch._C._distributed_c10d import ProcessGroupGloo
 
 from ... import staging
-from .. import config
+from ... import config
 from . import groups
 from ..options import AVG, PREMUL_SUM, SUM
 from .host import _acc_dtype, _clone, _convert, _nbytes, _reduce_into
