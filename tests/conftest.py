@@ -1,4 +1,4 @@
-"""Shared fixtures: pools of rank processes (see ``harness.py``) and the leak checks.
+"""Shared fixtures: pools of rank processes (see ``support/harness.py``) and the leak checks.
 
 ``worlds(n)`` returns the session's pool of ``n`` ranks (started on first use, reused by
 every later test, rebuilt if a call killed it). The backend under test is ``flagos_shm``;
@@ -13,7 +13,6 @@ the processes are reaped) and the session fails if a rank process is still alive
 
 from __future__ import annotations
 
-import glob
 import os
 import sys
 import time
@@ -30,9 +29,8 @@ os.environ.setdefault("FLAGOS_SHM_PLAN", "fallback")
 # the default.
 os.environ.setdefault("FLAGOS_SHM_SLOT_BYTES", "262144")
 
-from harness import World  # noqa: E402
-
-SEGMENT_GLOB = "flagos_shm-*"  # _core.SEGMENT_PREFIX
+from support.harness import World  # noqa: E402
+from support.leaks import check_world_closed, segments  # noqa: E402
 
 
 def pytest_sessionstart(session):
@@ -54,34 +52,21 @@ def pytest_addoption(parser):
                      help="process-group backend under test (default flagos_shm; gloo to cross-check)")
 
 
-def _segments(directory: str) -> set:
-    return set(glob.glob(os.path.join(directory, SEGMENT_GLOB)))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def check_world_closed(world: World) -> list:
-    """Close ``world`` (if needed) and return a list of problems: live processes, segment
-    files left in its directory."""
-    world.close()
-    problems = [f"rank process {pid} still alive" for pid in world.pids if _alive(pid)]
-    left = world.remove_files()
-    problems += [f"segment file left behind: {os.path.join(world.shm_dir, name)}" for name in left]
-    return problems
-
-
 @pytest.fixture(scope="session")
 def backend(request) -> str:
     name = request.config.getoption("--backend")
     if name == "flagos_shm":
         import flagos_shm  # noqa: F401  the suite requires the real backend
     return name
+
+
+@pytest.fixture
+def flagos_only(backend):
+    """Skip the test unless the backend under test is flagos_shm (``--backend gloo`` runs
+    the cross-checks only): for tests of flagos_shm's own behaviour, used as
+    ``pytestmark = pytest.mark.usefixtures("flagos_only")``."""
+    if backend != "flagos_shm":
+        pytest.skip("behaviour of the flagos_shm backend itself")
 
 
 @pytest.fixture(scope="session")
@@ -113,10 +98,10 @@ def worlds(backend):
 def no_new_segments_in_dev_shm():
     """No test may leave a ``flagos_shm-*`` entry in /dev/shm (set up first, so its check
     runs after every pool was closed)."""
-    before = _segments("/dev/shm")
+    before = segments("/dev/shm")
     yield
-    new = _segments("/dev/shm") - before
+    new = segments("/dev/shm") - before
     if new:  # another job on the machine may be attaching right now: look again
         time.sleep(2.0)
-        new &= _segments("/dev/shm")
+        new &= segments("/dev/shm")
     assert not new, "new entries left in /dev/shm: " + ", ".join(sorted(new))

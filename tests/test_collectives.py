@@ -31,8 +31,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from reference import (DTYPES, DTYPES_WITH_COMPLEX, FLOAT_DTYPES, LAYOUTS, OPS, all_inputs, compare, layout_shape,
-                       make_input, op_allowed, place, reduce_op, reference_reduce, sizes, tname)
+from support.reference import (DTYPES, DTYPES_WITH_COMPLEX, FLOAT_DTYPES, LAYOUTS, OPS, all_inputs, compare,
+                               layout_shape, make_input, op_allowed, place, reduce_op, reference_reduce, sizes, tname)
 
 WORLD_SIZES = [1, 2, 3, 4]
 

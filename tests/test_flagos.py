@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from spawn import spawn  # noqa: E402
+from support.spawn import spawn  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 #: Environment of the pools and spawned ranks: the emulated device, enabled at import.

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from conftest import _alive, check_world_closed
-from harness import RankError, World, WorldDied, WorldTimeout
+from support.harness import RankError, World, WorldDied, WorldTimeout
+from support.leaks import alive, check_world_closed
 
 
 def _identity(tag):
@@ -60,7 +60,7 @@ def test_timeout_kills_every_rank_and_leaves_nothing(backend):
         with pytest.raises(WorldTimeout, match="did not answer within"):
             world.run(_sleep, 60, timeout=2)
         assert not world.alive
-        assert not any(_alive(pid) for pid in pids)
+        assert not any(alive(pid) for pid in pids)
     finally:
         problems = check_world_closed(world)
     assert problems == []
@@ -72,7 +72,7 @@ def test_dead_rank_kills_the_pool(backend):
     try:
         with pytest.raises(WorldDied, match="rank 1 .* exited"):
             world.run(_exit_on, 1, timeout=60)
-        assert not any(_alive(pid) for pid in pids)
+        assert not any(alive(pid) for pid in pids)
     finally:
         problems = check_world_closed(world)
     assert problems == []

@@ -26,8 +26,8 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from namespaces import needs_unshare, private_shm_namespace
-from spawn import spawn
+from support.namespaces import needs_unshare, private_shm_namespace
+from support.spawn import spawn
 
 GROUP_TIMEOUT_S = 60.0
 SPAWN_DEADLINE_S = 150.0

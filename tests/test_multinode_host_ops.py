@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from spawn import spawn
+from support.spawn import spawn
 from test_multinode import GLOO_ENV, REDUCE_CASES, SPAWN_DEADLINE_S, _close, _init, _input, _op, _reference
 
 pytestmark = pytest.mark.timeout(300)

@@ -18,8 +18,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from namespaces import needs_unshare, private_shm_namespace
-from spawn import spawn
+from support.namespaces import needs_unshare, private_shm_namespace
+from support.spawn import spawn
 from test_multinode import GLOO_ENV, SPAWN_DEADLINE_S, _gloo_threads, _init
 
 NODE_ENV = {r: {"FLAGOS_SHM_NODE_ID": k} for r, k in enumerate("aabb")}

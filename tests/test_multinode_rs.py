@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from spawn import spawn
+from support.spawn import spawn
 from test_multinode import (
     GLOO_ENV,
     REDUCE_CASES,

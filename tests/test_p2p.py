@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from test_flagos import emulator_built  # noqa: E402,F401  (fixture)
 
-from spawn import spawn  # noqa: E402
+from support.spawn import spawn  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 

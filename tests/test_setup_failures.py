@@ -19,8 +19,8 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from namespaces import needs_unshare, private_shm_namespace
-from spawn import spawn
+from support.namespaces import needs_unshare, private_shm_namespace
+from support.spawn import spawn
 
 GROUP_TIMEOUT_S = 60.0
 DETECT_S = 10.0

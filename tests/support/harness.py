@@ -7,7 +7,7 @@ the test suite starts the ranks of each world size once and reuses them:
     results = world.run(fn, *args)      # fn(*args) on every rank -> [result of rank 0, ...]
     world.close()
 
-Each rank is a separate ``python tests/harness.py`` process. It sets its environment
+Each rank is a separate ``python tests/support/harness.py`` process. It sets its environment
 (``FLAGOS_SHM_DIR``, optional ``FLAGOS_SHM_SLOT_BYTES``, one intra-op thread), imports
 ``flagos_shm`` when the backend needs it, joins the default process group with
 ``dist.init_process_group(backend, store=FileStore(...), rank, world_size, timeout)`` and
@@ -409,7 +409,11 @@ def _error_answer(exc: BaseException):
 
 def _resolve(module_name: str, module_file: Optional[str], qualname: str):
     if module_file:
+        # The directory that makes ``module_name`` importable: the file's own for a test
+        # module (``test_x``), the one above the package for ``support.harness``.
         directory = os.path.dirname(os.path.abspath(module_file))
+        for _ in range(module_name.count(".") + (os.path.basename(module_file) == "__init__.py")):
+            directory = os.path.dirname(directory)
         if directory not in sys.path:
             sys.path.insert(0, directory)
     obj = importlib.import_module(module_name)
