@@ -14,6 +14,7 @@ the processes are reaped) and the session fails if a rank process is still alive
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 import time
 
@@ -30,7 +31,9 @@ os.environ.setdefault("FLAGOS_SHM_PLAN", "fallback")
 os.environ.setdefault("FLAGOS_SHM_SLOT_BYTES", "262144")
 
 from support.harness import World  # noqa: E402
+from support.flagos import EMU_ENV  # noqa: E402
 from support.leaks import check_world_closed, segments  # noqa: E402
+from support.spawn import spawn  # noqa: E402
 
 
 def pytest_sessionstart(session):
@@ -105,3 +108,32 @@ def no_new_segments_in_dev_shm():
         time.sleep(2.0)
         new &= segments("/dev/shm")
     assert not new, "new entries left in /dev/shm: " + ", ".join(sorted(new))
+
+
+# ---- the emulated flagos device (test_flagos_*.py) -----------------------------------------------
+
+@pytest.fixture(scope="module")
+def emulator_built():
+    """Compile (or find cached) the emulator's C++ part once, without enabling it here."""
+    compiler = os.environ.get("CXX", "c++").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler {compiler!r} to build the flagos emulator")
+    from flagos_shm import emulation
+
+    return emulation.build()
+
+
+@pytest.fixture
+def flagos_world(worlds, backend, emulator_built):
+    """``flagos_world(n)``: the session's pool of ``n`` flagos_shm ranks with the emulator."""
+    if backend != "flagos_shm":
+        pytest.skip("flagos tensors need the flagos_shm backend")
+    return lambda world_size: worlds(world_size, **EMU_ENV)
+
+
+@pytest.fixture
+def fresh(backend, emulator_built):
+    """:func:`support.spawn.spawn`, for tests of fresh flagos ranks (skipped on gloo)."""
+    if backend != "flagos_shm":
+        pytest.skip("flagos tensors need the flagos_shm backend")
+    return spawn

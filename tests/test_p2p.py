@@ -18,14 +18,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_flagos import emulator_built  # noqa: E402,F401  (fixture)
+from support.flagos import EMU_ENV
 
 from support.spawn import spawn  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
 CALL_TIMEOUT_S = 120.0
-EMU_ENV = {"FLAGOS_SHM_EMULATE": "1", "FLAGOS_SHM_EMULATE_DEVICES": "4"}
 ROUTES = {"adapter": {}}  # one c10d adapter on every torch
 
 
