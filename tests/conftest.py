@@ -110,7 +110,7 @@ def no_new_segments_in_dev_shm():
     assert not new, "new entries left in /dev/shm: " + ", ".join(sorted(new))
 
 
-# ---- the emulated flagos device (test_flagos_*.py) -----------------------------------------------
+# ---- the emulated flagos device (test_flagos_*.py, test_emulation*.py) --------------------------------------------
 
 @pytest.fixture(scope="module")
 def emulator_built():
@@ -120,7 +120,15 @@ def emulator_built():
         pytest.skip(f"no C++ compiler {compiler!r} to build the flagos emulator")
     from flagos_shm import emulation
 
-    return emulation.build()
+    path = emulation.build()
+    assert os.path.isfile(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def built(emulator_built):
+    """:func:`emulator_built` under the name the ``test_emulation*.py`` files use."""
+    return emulator_built
 
 
 @pytest.fixture
