@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import time
+from collections import OrderedDict
 
 import pytest
 
@@ -30,8 +31,8 @@ os.environ.setdefault("FLAGOS_SHM_PLAN", "fallback")
 # the default.
 os.environ.setdefault("FLAGOS_SHM_SLOT_BYTES", "262144")
 
-from support.harness import World  # noqa: E402
 from support.flagos import EMU_ENV  # noqa: E402
+from support.harness import World  # noqa: E402
 from support.leaks import check_world_closed, segments  # noqa: E402
 from support.spawn import spawn  # noqa: E402
 
@@ -72,29 +73,59 @@ def flagos_only(backend):
         pytest.skip("behaviour of the flagos_shm backend itself")
 
 
+#: The most rank processes the session's pools keep alive at once. An idle rank holds about
+#: 300 MiB of memory of its own (torch imported: ``Private_Dirty`` in smaps_rollup); a whole
+#: run asks for 13 pools (33 ranks), which, all kept until the end, held 10 GiB and more
+#: besides the spawned ranks and whatever else the machine runs. Past this many, the least
+#: recently used pool is closed first (a later test that asks for it starts it again, ~2 s).
+MAX_POOL_RANKS = 16
+
+#: The session's pools by (world size, environment), least recently used first.
+_POOLS: "OrderedDict[tuple, World]" = OrderedDict()
+
+
 @pytest.fixture(scope="session")
 def worlds(backend):
     """``worlds(world_size, **env)`` -> the session's :class:`World` for that size and
-    environment (created lazily, replaced if a failure killed it). At the end of the
-    session every pool is closed, and the session fails if a rank process survived or a
-    segment file is left in a pool's segment directory."""
-    pools: dict = {}
+    environment (created lazily, replaced if a failure killed it, closed when more than
+    :data:`MAX_POOL_RANKS` ranks would be alive). At the end of the session every pool is
+    closed, and the session fails if a rank process survived or a segment file is left in
+    a pool's segment directory."""
     problems: list = []
 
     def get(world_size: int, **env) -> World:
-        key = (world_size, tuple(sorted(env.items())))
-        world = pools.get(key)
-        if world is None or not world.alive:
-            if world is not None:  # killed by a timeout/failure: check its leftovers now
-                problems.extend(check_world_closed(world))
-            pools[key] = world = World(world_size, backend, env=env)
+        key = (world_size, tuple(sorted((k, str(v)) for k, v in env.items())))  # as the ranks see it
+        world = _POOLS.pop(key, None)
+        if world is not None and not world.alive:  # killed by a timeout/failure: check its leftovers now
+            problems.extend(check_world_closed(world))
+            world = None
+        if world is None:
+            while _POOLS and sum(w.world_size for w in _POOLS.values()) + world_size > MAX_POOL_RANKS:
+                _, evicted = _POOLS.popitem(last=False)
+                problems.extend(check_world_closed(evicted))
+            world = World(world_size, backend, env=env)
+        _POOLS[key] = world
         return world
 
     get.backend = backend
     yield get
-    for world in pools.values():
-        problems.extend(check_world_closed(world))
+    while _POOLS:
+        problems.extend(check_world_closed(_POOLS.popitem(last=False)[1]))
     assert not problems, "leaks after the test session:\n" + "\n".join(problems)
+
+
+@pytest.fixture(autouse=True)
+def pool_ranks_alive():
+    """A pool rank that died during a test, or while the pool sat idle in it, fails that
+    test with the rank's exit status (or the signal that killed it), the machine's memory
+    and every rank's log; the pool is killed, and the next test that asks for it gets a
+    fresh one instead of a broken pipe."""
+    yield
+    for key, world in list(_POOLS.items()):
+        if world.alive and world.dead_ranks():
+            report = world.death_report()
+            world.close(graceful=False)
+            pytest.fail(f"a rank of the pool {key} died during this test: {report}", pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)
