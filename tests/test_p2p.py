@@ -190,9 +190,26 @@ def rank_size_mismatch() -> dict:
     return res
 
 
+def _go(key: str, wait: bool, timeout_s: float = 60.0) -> None:
+    """Rank-to-rank signal through the default group's store: set ``key``, or wait for it
+    (at most ``timeout_s`` seconds; then remove it, so that the pool's next call starts
+    clean). Orders two ranks' steps without a sleep that a loaded machine can outlast."""
+    import datetime
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    if not wait:
+        store.set(key, "1")
+        return
+    store.wait([key], datetime.timedelta(seconds=timeout_s))
+    store.delete_key(key)
+
+
 def rank_back_pressure() -> dict:
-    """Rank 0 isends 4 MiB (16x the ring) while rank 1 waits 0.5 s before receiving: the
-    send is not complete until the receive has started; the data arrives intact."""
+    """Rank 0 isends 4 MiB (16x the ring), looks 0.3 s later whether the send has completed,
+    and only then lets rank 1 receive: the send is not complete until the receive has
+    started; the data arrives intact."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -203,10 +220,11 @@ def rank_back_pressure() -> dict:
         w = dist.isend(x, 1)
         time.sleep(0.3)
         early = w.is_completed()
+        _go("p2p/back_pressure/receive", wait=False)
         w.wait()
         return {"early": early, "took": time.monotonic() - t0, "completed": w.is_completed()}
     if rank == 1:
-        time.sleep(0.5)
+        _go("p2p/back_pressure/receive", wait=True)
         out = torch.empty(1 << 20)
         dist.recv(out, 0)
         return {"ok": torch.equal(out, x)}
@@ -320,7 +338,7 @@ def test_size_mismatch_raises_on_both_ranks_and_pair_stays_usable(worlds, route_
 
 def test_slow_receiver_holds_the_sender_back(worlds):
     r0, r1 = worlds(2).run(rank_back_pressure, timeout=CALL_TIMEOUT_S)
-    assert r1["ok"] and r0["early"] is False and r0["took"] >= 0.4 and r0["completed"], (r0, r1)
+    assert r1["ok"] and r0["early"] is False and r0["took"] >= 0.3 and r0["completed"], (r0, r1)
 
 
 def test_subgroups_use_group_ranks(worlds, route_env):
@@ -382,8 +400,9 @@ def spawned_peer_dies(rank: int, world_size: int, tmp: str, _unused: str) -> dic
 
 
 def spawned_timeout(rank: int, world_size: int, tmp: str) -> dict:
-    """Nobody sends: rank 0's recv raises at the group's timeout (2 s), naming the peer;
-    a wait with a shorter Work timeout gives up first."""
+    """Nobody sends: rank 0's recv raises at the group's timeout (2 s), naming the peer.
+    Rank 1 stays in the group until then (it used to sleep 3 s, which a loaded machine
+    could outlast, turning the timeout into a departed peer)."""
     import datetime
 
     import torch.distributed as dist
@@ -400,8 +419,9 @@ def spawned_timeout(rank: int, world_size: int, tmp: str) -> dict:
         except RuntimeError as exc:
             res["recv"] = str(exc)
         res["recv_s"] = time.monotonic() - t0
+        _go("p2p/timeout/done", wait=False)
     else:
-        time.sleep(3)
+        _go("p2p/timeout/done", wait=True)  # stay in the group until rank 0's recv has timed out
     dist.destroy_process_group()
     return res
 
@@ -420,9 +440,11 @@ def test_timeout_names_the_peer():
 
 
 def rank_ctrl_c_in_recv() -> dict:
-    """Rank 0 blocks in recv from rank 1, which sends only 1.5 s later; SIGINT after 0.3 s:
-    KeyboardInterrupt on rank 0, the pair's channel aborted, so rank 1's late send raises
-    RuntimeError naming group rank 0 instead of waiting for the timeout."""
+    """Rank 0 blocks in recv from rank 1, which sends only once rank 0 was interrupted; SIGINT
+    after 0.3 s: KeyboardInterrupt on rank 0, the pair's channel aborted, so rank 1's late
+    send raises RuntimeError naming group rank 0 instead of waiting for the timeout. (Rank
+    1 used to send after a fixed 1.5 s: on a loaded machine the timer could fire later, the
+    receive completed and the SIGINT landed in the test's own clean-up.)"""
     import signal
     import threading
 
@@ -445,9 +467,10 @@ def rank_ctrl_c_in_recv() -> dict:
             finally:
                 timer.join()
                 signal.signal(signal.SIGINT, previous)
+                _go("p2p/ctrl_c/send", wait=False)
             out["took"] = time.monotonic() - t0
         elif rank == 1:
-            time.sleep(1.5)
+            _go("p2p/ctrl_c/send", wait=True)
             t0 = time.monotonic()
             try:
                 dist.send(torch.ones(4), 0, group=g)
