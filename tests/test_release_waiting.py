@@ -45,7 +45,12 @@ def rank_release(tmp: str, how: str, tag: str) -> dict:
                 previous = signal.signal(signal.SIGINT, signal.default_int_handler)
             action = {"abort": pg.abort, "shutdown": pg.shutdown,
                       "sigint": lambda: os.kill(os.getpid(), signal.SIGINT)}[how]
-            timer = threading.Timer(RELEASE_AFTER_S, action)
+            fired: list = []  # when the timer thread acted: it may run late on a loaded machine
+
+            def act():
+                fired.append(time.monotonic())
+                action()
+            timer = threading.Timer(RELEASE_AFTER_S, act)
             timer.start()
             t0 = time.monotonic()
             try:
@@ -58,8 +63,10 @@ def rank_release(tmp: str, how: str, tag: str) -> dict:
                 res["error"] = None
             except BaseException as exc:  # noqa: B902  KeyboardInterrupt is the expected one
                 res["error"] = error_info(exc)
-            res["elapsed"] = time.monotonic() - t0
+            released = time.monotonic()
+            res["elapsed"] = released - t0
             timer.join()
+            res["after_action"] = released - fired[0] if fired else None
             if how == "sigint":
                 signal.signal(signal.SIGINT, previous)
             res["untouched"] = torch.equal(t, torch.arange(8, dtype=torch.float32))
@@ -86,10 +93,11 @@ def rank_release(tmp: str, how: str, tag: str) -> dict:
 
 @pytest.mark.parametrize("how", ["abort", "shutdown", "sigint"])
 def test_abort_shutdown_and_ctrl_c_release_a_waiting_rank(worlds, tmp_path, how):
-    """A rank waiting for a peer that does not come is released within a fraction of a
-    second (group timeout 20 s) by abort() or shutdown() from another thread (RuntimeError)
-    or by Ctrl-C (KeyboardInterrupt); its tensor is untouched; the group is aborted for
-    everyone: its next call, and the peer's call, raise RuntimeError at once."""
+    """A rank waiting for a peer that does not come is released within a second of abort()
+    or shutdown() from another thread (RuntimeError) or of Ctrl-C (KeyboardInterrupt), the
+    group timeout being 20 s; its tensor is untouched; the group is aborted for everyone:
+    its next call, and the peer's call, raise RuntimeError at once (within 2 s: a bound a
+    loaded 2-core machine cannot stretch to, that a wait for the timeout would break)."""
     world = worlds(2)
     try:
         r0, r1 = world.run(rank_release, str(tmp_path), how, how, timeout=60)
@@ -97,10 +105,12 @@ def test_abort_shutdown_and_ctrl_c_release_a_waiting_rank(worlds, tmp_path, how)
         world.check_health()
     expected = "KeyboardInterrupt" if how == "sigint" else "RuntimeError"
     assert r0["error"] and r0["error"]["type"] == expected, r0
-    assert RELEASE_AFTER_S - 0.05 < r0["elapsed"] < RELEASE_AFTER_S + 1.0, r0
+    # Released after the action and within a second of it (the group's timeout is 20 s);
+    # counted from the action, not from 0.3 s, as a loaded machine may run the timer late.
+    assert RELEASE_AFTER_S - 0.05 < r0["elapsed"] and 0 <= r0["after_action"] < 1.0, r0
     assert r0["untouched"], r0
-    assert r0["next"] and r0["next"]["type"] == "RuntimeError" and r0["next_s"] < 0.5, r0
+    assert r0["next"] and r0["next"]["type"] == "RuntimeError" and r0["next_s"] < 2.0, r0
     reason = {"abort": "aborted", "shutdown": "shut down", "sigint": "interrupted"}[how]
     assert reason in r0["next"]["message"], r0
-    assert r1["error"] and r1["error"]["type"] == "RuntimeError" and r1["elapsed"] < 0.5, r1
+    assert r1["error"] and r1["error"]["type"] == "RuntimeError" and r1["elapsed"] < 2.0, r1
     assert "aborted by rank 0" in r1["error"]["message"] and "release-" in r1["error"]["message"], r1
