@@ -15,8 +15,9 @@ SEGMENT_GLOB = "flagos_shm-*"
 
 
 def segments(directory: str) -> set:
-    """The paths of the segment files in ``directory``."""
-    return set(glob.glob(os.path.join(directory, SEGMENT_GLOB)))
+    """The paths of the segment files in ``directory`` (regular files only: a test's private
+    directory such as test_smoke.py's ``flagos_shm-smoke-*`` is not one)."""
+    return {path for path in glob.glob(os.path.join(directory, SEGMENT_GLOB)) if os.path.isfile(path)}
 
 
 def creator_alive(path: str) -> bool:
