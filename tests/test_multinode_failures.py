@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from support.multinode import GLOO_ENV, SPAWN_DEADLINE_S, gloo_threads, init_group
-from support.spawn import spawn
+from support.spawn import spawn, start_together
 
 
 # ==== failures ===================================================================================
@@ -219,6 +219,7 @@ def setup_death_rank(rank: int, world_size: int, tmp: str, victim: int, slow_rea
             os._exit(3)
         _core.Communicator = die
     res = {"error": None}
+    start_together(tmp, rank, world_size, SPAWN_DEADLINE_S)  # the clock leaves the ranks' start-up out
     t0 = time.monotonic()
     try:
         init_group(rank, world_size)

@@ -7,7 +7,7 @@
 (c) Ranks of one node in different PID namespaces: detected at set-up, named on every rank.
 
 Each test uses a group timeout of :data:`GROUP_TIMEOUT_S` and asserts detection well under
-it (:data:`DETECT_S`), timed from the moment every rank has started (:func:`_start_together`),
+it (:data:`DETECT_S`), timed from the moment every rank has started (``support.spawn.start_together``),
 so that a peer's slow start-up on a loaded machine does not count; the measured times are
 printed (``pytest -s``).
 """
@@ -22,24 +22,11 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 from support.namespaces import needs_unshare, private_shm_namespace
-from support.spawn import spawn
+from support.spawn import spawn, start_together
 
 GROUP_TIMEOUT_S = 60.0
 DETECT_S = 10.0
 DEADLINE_S = 120.0
-
-
-def _start_together(tmp: str, rank: int, world_size: int) -> None:
-    """Wait until every rank has got here (a file each in the shared directory ``tmp``), so
-    that the times measured from here on leave out the ranks' start-up: importing torch
-    takes seconds, and tens on a loaded machine, and a rank's own set-up time used to
-    include waiting for a peer that was still importing (issue 27)."""
-    open(os.path.join(tmp, f"started{rank}"), "w").close()
-    end = time.monotonic() + DEADLINE_S
-    while not all(os.path.exists(os.path.join(tmp, f"started{r}")) for r in range(world_size)):
-        if time.monotonic() > end:
-            raise TimeoutError(f"rank {rank}: the other ranks did not start within {DEADLINE_S} s")
-        time.sleep(0.01)
 
 
 def setup_rank(rank: int, world_size: int, tmp: str, mode: str) -> dict:
@@ -53,7 +40,7 @@ def setup_rank(rank: int, world_size: int, tmp: str, mode: str) -> dict:
     from flagos_shm import _core
     from flagos_shm.backend import rendezvous
 
-    _start_together(tmp, rank, world_size)
+    start_together(tmp, rank, world_size, DEADLINE_S)
     if mode == "slow-reader" and rank == 1:
         get_all = rendezvous._get_all
 

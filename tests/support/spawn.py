@@ -120,6 +120,22 @@ def spawn(fn, world_size: int, env: dict | None = None, args: tuple = (),
             raise AssertionError(f"segment files left behind: {left}")
 
 
+def start_together(tmp: str, rank: int, world_size: int, timeout_s: float = SPAWN_TIMEOUT_S) -> None:
+    """In a spawned rank: wait until all ``world_size`` ranks have got here (a file each in
+    their shared directory ``tmp``), at most ``timeout_s`` seconds (TimeoutError).
+
+    For times measured from here on that must leave out the ranks' start-up: importing
+    torch takes seconds, and tens on a loaded machine, so fresh ranks get going far apart,
+    and a rank that starts its clock at once counts the wait for its slowest peer
+    (issue 27)."""
+    open(os.path.join(tmp, f"started{rank}"), "w").close()
+    end = time.monotonic() + timeout_s
+    while not all(os.path.exists(os.path.join(tmp, f"started{r}")) for r in range(world_size)):
+        if time.monotonic() > end:
+            raise TimeoutError(f"rank {rank}: the other ranks did not start within {timeout_s} s")
+        time.sleep(0.01)
+
+
 def _child_main(argv: list) -> int:
     module_file, name, rank, world_size, tmp, args, deadline = argv
     # The stack dump is armed first, for the parent's deadline (CLOCK_MONOTONIC is one clock
