@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from support.flagos import EMU_ENV
 
 from support.spawn import spawn  # noqa: E402
+from support.turns import let_go, wait_for_go  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -190,22 +191,6 @@ def rank_size_mismatch() -> dict:
     return res
 
 
-def _go(key: str, wait: bool, timeout_s: float = 60.0) -> None:
-    """Rank-to-rank signal through the default group's store: set ``key``, or wait for it
-    (at most ``timeout_s`` seconds; then remove it, so that the pool's next call starts
-    clean). Orders two ranks' steps without a sleep that a loaded machine can outlast."""
-    import datetime
-
-    import torch.distributed as dist
-
-    store = dist.distributed_c10d._get_default_store()
-    if not wait:
-        store.set(key, "1")
-        return
-    store.wait([key], datetime.timedelta(seconds=timeout_s))
-    store.delete_key(key)
-
-
 def rank_back_pressure() -> dict:
     """Rank 0 isends 4 MiB (16x the ring), looks 0.3 s later whether the send has completed,
     and only then lets rank 1 receive: the send is not complete until the receive has
@@ -220,11 +205,11 @@ def rank_back_pressure() -> dict:
         w = dist.isend(x, 1)
         time.sleep(0.3)
         early = w.is_completed()
-        _go("p2p/back_pressure/receive", wait=False)
+        let_go("p2p/back_pressure/receive")
         w.wait()
         return {"early": early, "took": time.monotonic() - t0, "completed": w.is_completed()}
     if rank == 1:
-        _go("p2p/back_pressure/receive", wait=True)
+        wait_for_go("p2p/back_pressure/receive")
         out = torch.empty(1 << 20)
         dist.recv(out, 0)
         return {"ok": torch.equal(out, x)}
@@ -419,9 +404,9 @@ def spawned_timeout(rank: int, world_size: int, tmp: str) -> dict:
         except RuntimeError as exc:
             res["recv"] = str(exc)
         res["recv_s"] = time.monotonic() - t0
-        _go("p2p/timeout/done", wait=False)
+        let_go("p2p/timeout/done")
     else:
-        _go("p2p/timeout/done", wait=True)  # stay in the group until rank 0's recv has timed out
+        wait_for_go("p2p/timeout/done")  # stay in the group until rank 0's recv has timed out
     dist.destroy_process_group()
     return res
 
@@ -467,10 +452,10 @@ def rank_ctrl_c_in_recv() -> dict:
             finally:
                 timer.join()
                 signal.signal(signal.SIGINT, previous)
-                _go("p2p/ctrl_c/send", wait=False)
+                let_go("p2p/ctrl_c/send")
             out["took"] = time.monotonic() - t0
         elif rank == 1:
-            _go("p2p/ctrl_c/send", wait=True)
+            wait_for_go("p2p/ctrl_c/send")
             t0 = time.monotonic()
             try:
                 dist.send(torch.ones(4), 0, group=g)
