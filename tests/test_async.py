@@ -171,7 +171,7 @@ def rank_ctrl_c_in_async_wait() -> dict:
     try:
         t = torch.ones(8)
         if rank == 0:
-            previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # see test_failures
+            previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # see test_release_waiting
             timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
             try:
                 work = dist.all_reduce(t, group=group, async_op=True)

@@ -1,4 +1,5 @@
-"""Helpers for the failure tests (``test_failures.py``) and the soak run (``soak.py``).
+"""Helpers for the failure tests (``test_dead_peers.py``, ``test_no_leaks.py`` and the others
+that were ``test_failures.py``) and the soak run (``soak.py``).
 
 They run inside rank processes (a ``harness.World`` pool, or the soak's workers):
 
