@@ -1,4 +1,4 @@
-"""Shared fixtures: pools of rank processes (see ``harness.py``) and the leak checks.
+"""Shared fixtures: pools of rank processes (see ``support/harness.py``) and the leak checks.
 
 ``worlds(n)`` returns the session's pool of ``n`` ranks (started on first use, reused by
 every later test, rebuilt if a call killed it). The backend under test is ``flagos_shm``;
@@ -13,10 +13,11 @@ the processes are reaped) and the session fails if a rank process is still alive
 
 from __future__ import annotations
 
-import glob
 import os
+import shutil
 import sys
 import time
+from collections import OrderedDict
 
 import pytest
 
@@ -30,9 +31,10 @@ os.environ.setdefault("FLAGOS_SHM_PLAN", "fallback")
 # the default.
 os.environ.setdefault("FLAGOS_SHM_SLOT_BYTES", "262144")
 
-from harness import World  # noqa: E402
-
-SEGMENT_GLOB = "flagos_shm-*"  # _core.SEGMENT_PREFIX
+from support.flagos import EMU_ENV  # noqa: E402
+from support.harness import World  # noqa: E402
+from support.leaks import check_world_closed, creator_alive, segments  # noqa: E402
+from support.spawn import spawn  # noqa: E402
 
 
 def pytest_sessionstart(session):
@@ -54,28 +56,6 @@ def pytest_addoption(parser):
                      help="process-group backend under test (default flagos_shm; gloo to cross-check)")
 
 
-def _segments(directory: str) -> set:
-    return set(glob.glob(os.path.join(directory, SEGMENT_GLOB)))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def check_world_closed(world: World) -> list:
-    """Close ``world`` (if needed) and return a list of problems: live processes, segment
-    files left in its directory."""
-    world.close()
-    problems = [f"rank process {pid} still alive" for pid in world.pids if _alive(pid)]
-    left = world.remove_files()
-    problems += [f"segment file left behind: {os.path.join(world.shm_dir, name)}" for name in left]
-    return problems
-
-
 @pytest.fixture(scope="session")
 def backend(request) -> str:
     name = request.config.getoption("--backend")
@@ -84,39 +64,119 @@ def backend(request) -> str:
     return name
 
 
+@pytest.fixture
+def flagos_only(backend):
+    """Skip the test unless the backend under test is flagos_shm (``--backend gloo`` runs
+    the cross-checks only): for tests of flagos_shm's own behaviour, used as
+    ``pytestmark = pytest.mark.usefixtures("flagos_only")``."""
+    if backend != "flagos_shm":
+        pytest.skip("behaviour of the flagos_shm backend itself")
+
+
+#: The most rank processes the session's pools keep alive at once. An idle rank holds about
+#: 300 MiB of memory of its own (torch imported: ``Private_Dirty`` in smaps_rollup); a whole
+#: run asks for 13 pools (33 ranks), which, all kept until the end, held 10 GiB and more
+#: besides the spawned ranks and whatever else the machine runs. Past this many, the least
+#: recently used pool is closed first (a later test that asks for it starts it again, ~2 s).
+MAX_POOL_RANKS = 16
+
+#: The session's pools by (world size, environment), least recently used first.
+_POOLS: "OrderedDict[tuple, World]" = OrderedDict()
+
+
 @pytest.fixture(scope="session")
 def worlds(backend):
     """``worlds(world_size, **env)`` -> the session's :class:`World` for that size and
-    environment (created lazily, replaced if a failure killed it). At the end of the
-    session every pool is closed, and the session fails if a rank process survived or a
-    segment file is left in a pool's segment directory."""
-    pools: dict = {}
+    environment (created lazily, replaced if a failure killed it, closed when more than
+    :data:`MAX_POOL_RANKS` ranks would be alive). At the end of the session every pool is
+    closed, and the session fails if a rank process survived or a segment file is left in
+    a pool's segment directory."""
     problems: list = []
 
     def get(world_size: int, **env) -> World:
-        key = (world_size, tuple(sorted(env.items())))
-        world = pools.get(key)
-        if world is None or not world.alive:
-            if world is not None:  # killed by a timeout/failure: check its leftovers now
-                problems.extend(check_world_closed(world))
-            pools[key] = world = World(world_size, backend, env=env)
+        key = (world_size, tuple(sorted((k, str(v)) for k, v in env.items())))  # as the ranks see it
+        world = _POOLS.pop(key, None)
+        if world is not None and not world.alive:  # killed by a timeout/failure: check its leftovers now
+            problems.extend(check_world_closed(world))
+            world = None
+        if world is None:
+            while _POOLS and sum(w.world_size for w in _POOLS.values()) + world_size > MAX_POOL_RANKS:
+                _, evicted = _POOLS.popitem(last=False)
+                problems.extend(check_world_closed(evicted))
+            world = World(world_size, backend, env=env)
+        _POOLS[key] = world
         return world
 
     get.backend = backend
     yield get
-    for world in pools.values():
-        problems.extend(check_world_closed(world))
+    while _POOLS:
+        problems.extend(check_world_closed(_POOLS.popitem(last=False)[1]))
     assert not problems, "leaks after the test session:\n" + "\n".join(problems)
+
+
+@pytest.fixture(autouse=True)
+def pool_ranks_alive():
+    """A pool rank that died during a test, or while the pool sat idle in it, fails that
+    test with the rank's exit status (or the signal that killed it), the machine's memory
+    and every rank's log; the pool is killed, and the next test that asks for it gets a
+    fresh one instead of a broken pipe."""
+    yield
+    for key, world in list(_POOLS.items()):
+        if world.alive and world.dead_ranks():
+            report = world.death_report()
+            world.close(graceful=False)
+            pytest.fail(f"a rank of the pool {key} died during this test: {report}", pytrace=False)
 
 
 @pytest.fixture(scope="session", autouse=True)
 def no_new_segments_in_dev_shm():
     """No test may leave a ``flagos_shm-*`` entry in /dev/shm (set up first, so its check
-    runs after every pool was closed)."""
-    before = _segments("/dev/shm")
+    runs after every pool was closed). Entries whose creator is alive (it holds the file's
+    creator lock) are another job's: the suite may share the machine with other runs."""
+    before = segments("/dev/shm")
     yield
-    new = _segments("/dev/shm") - before
+    new = segments("/dev/shm") - before
     if new:  # another job on the machine may be attaching right now: look again
         time.sleep(2.0)
-        new &= _segments("/dev/shm")
+        new &= segments("/dev/shm")
+    # Every process of this session is gone by now: a file whose creator lock is still held
+    # belongs to another job on the machine (another test run, a benchmark), not to us.
+    new = {path for path in new if not creator_alive(path)}
     assert not new, "new entries left in /dev/shm: " + ", ".join(sorted(new))
+
+
+# ---- the emulated flagos device (test_flagos_*.py, test_emulation*.py) --------------------------------------------
+
+@pytest.fixture(scope="module")
+def emulator_built():
+    """Compile (or find cached) the emulator's C++ part once, without enabling it here."""
+    compiler = os.environ.get("CXX", "c++").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler {compiler!r} to build the flagos emulator")
+    from flagos_shm import emulation
+
+    path = emulation.build()
+    assert os.path.isfile(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def built(emulator_built):
+    """:func:`emulator_built` under the name the ``test_emulation*.py`` files use."""
+    return emulator_built
+
+
+@pytest.fixture
+def flagos_world(worlds, backend, emulator_built):
+    """``flagos_world(n)``: the session's pool of ``n`` flagos_shm ranks with the emulator."""
+    if backend != "flagos_shm":
+        pytest.skip("flagos tensors need the flagos_shm backend")
+    return lambda world_size: worlds(world_size, **EMU_ENV)
+
+
+@pytest.fixture
+def fresh(backend, emulator_built):
+    """:func:`support.spawn.spawn`, for tests of fresh flagos ranks (skipped on gloo)."""
+    if backend != "flagos_shm":
+        pytest.skip("flagos tensors need the flagos_shm backend")
+    return spawn

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from spawn import spawn
+from support.spawn import spawn
 
 pytestmark = pytest.mark.timeout(120)
 

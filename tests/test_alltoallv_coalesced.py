@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_flagos import EMU_ENV, emulator_built  # noqa: F401  (fixture)
+from support.flagos import EMU_ENV
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_flagos import EMU_ENV, emulator_built  # noqa: F401  (fixture)
+from support.flagos import EMU_ENV
+from support.turns import let_go, wait_for_go
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -38,16 +39,22 @@ def finished(work) -> bool:
 
 
 def rank_returns_early(delay_s: float) -> dict:
-    """Rank 0 issues an async allreduce while rank 1 is still asleep."""
+    """Rank 0 issues an async allreduce while the other ranks wait: they join only once it
+    has returned and been found incomplete, and ``delay_s`` later. (They used to sleep
+    ``delay_s`` and join, which a rank 0 descheduled on a loaded machine could outlast.)"""
     rank, n = dist.get_rank(), dist.get_world_size()
     dist.barrier()
     t = torch.full((1 << 16,), float(rank + 1))
     if rank != 0:
+        wait_for_go(f"async/returns_early/{rank}")
         time.sleep(delay_s)
     t0 = time.perf_counter()
     work = dist.all_reduce(t, async_op=True)
     issue_s = time.perf_counter() - t0
     completed_at_issue = finished(work)
+    if rank == 0:
+        for peer in range(1, n):
+            let_go(f"async/returns_early/{peer}")
     fut = work.get_future()
     work.wait()
     value = fut.wait()[0]
@@ -164,7 +171,7 @@ def rank_ctrl_c_in_async_wait() -> dict:
     try:
         t = torch.ones(8)
         if rank == 0:
-            previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # see test_failures
+            previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # see test_release_waiting
             timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
             try:
                 work = dist.all_reduce(t, group=group, async_op=True)
@@ -304,7 +311,9 @@ def rank_ddp_overlap(steps: int) -> dict:
 def test_async_call_returns_before_a_late_peer_arrives(worlds):
     delay = 0.5
     r0, r1 = worlds(2).run(rank_returns_early, delay)
-    assert r0["issue_s"] < delay / 2, r0
+    # Rank 1 joins only after rank 0's call returned (a call that waited for it would hang
+    # until the harness's deadline); the bound is generous for a loaded machine.
+    assert r0["issue_s"] < 2.0, r0
     assert not r0["completed_at_issue"], r0
     assert r0["done"] and r0["ok"] and r1["ok"], (r0, r1)
 

@@ -29,9 +29,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from spawn import spawn  # noqa: E402
+from support.flagos import EMU_ENV  # noqa: E402
+from support.spawn import spawn  # noqa: E402
 
-EMU_ENV = {"FLAGOS_SHM_EMULATE": "1", "FLAGOS_SHM_EMULATE_DEVICES": "4"}
 MIXED = "cpu:gloo,flagos:flagos_shm"
 
 pytestmark = pytest.mark.timeout(300)

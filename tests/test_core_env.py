@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from spawn import spawn
+from support.spawn import spawn
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from stage_probe import counting_stages
+from support.stage_probe import counting_stages
 
 pytestmark = pytest.mark.timeout(120)
 

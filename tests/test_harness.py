@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
 
-from conftest import _alive, check_world_closed
-from harness import RankError, World, WorldDied, WorldTimeout
+from support.harness import RankError, World, WorldDied, WorldTimeout
+from support.leaks import alive, check_world_closed
+from support.spawn import spawn
 
 
 def _identity(tag):
@@ -57,10 +59,13 @@ def test_timeout_kills_every_rank_and_leaves_nothing(backend):
     world = World(2, backend)
     pids = world.pids
     try:
-        with pytest.raises(WorldTimeout, match="did not answer within"):
+        with pytest.raises(WorldTimeout, match="did not answer within") as info:
             world.run(_sleep, 60, timeout=2)
+        # the silent ranks' process states and the machine's memory come with the logs
+        assert all(f"rank {r}: pid {pid}: state " in str(info.value) for r, pid in enumerate(pids)), info.value
+        assert "MemAvailable" in str(info.value), info.value
         assert not world.alive
-        assert not any(_alive(pid) for pid in pids)
+        assert not any(alive(pid) for pid in pids)
     finally:
         problems = check_world_closed(world)
     assert problems == []
@@ -72,7 +77,43 @@ def test_dead_rank_kills_the_pool(backend):
     try:
         with pytest.raises(WorldDied, match="rank 1 .* exited"):
             world.run(_exit_on, 1, timeout=60)
-        assert not any(_alive(pid) for pid in pids)
+        assert not any(alive(pid) for pid in pids)
     finally:
         problems = check_world_closed(world)
     assert problems == []
+
+
+def test_rank_that_died_between_calls_is_reported_with_its_signal(backend):
+    """A rank killed while the pool is idle (issue 27: the OOM killer, say) makes the next
+    call raise WorldDied naming the rank and the signal, with the logs, instead of the
+    BrokenPipeError its send used to raise with nothing else."""
+    world = World(2, backend)
+    pids = world.pids
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while not world.dead_ranks():
+            assert time.monotonic() < deadline, "SIGKILL did not end rank 1"
+            time.sleep(0.01)
+        with pytest.raises(WorldDied, match=rf"rank 1 \(pid {pids[1]}\) was killed by SIGKILL") as info:
+            world.run(_identity, "x")
+        assert "--- rank 0 log (tail) ---" in str(info.value) and "MemAvailable" in str(info.value)
+        assert not world.alive and not any(alive(pid) for pid in pids)
+    finally:
+        problems = check_world_closed(world)
+    assert problems == []
+
+
+def child_never_runs(rank: int, world_size: int, tmp: str) -> dict:
+    return {}
+
+
+def test_spawned_rank_that_cannot_dump_its_stack_is_described_by_the_kernel():
+    """A fresh rank still there at the deadline with an empty log (issue 27: "both ranks
+    still running at the deadline, empty logs, no stack dump") is described from /proc and
+    the machine's memory and load are given: here a rank stopped (SIGSTOP) before its
+    interpreter started, so that it cannot dump its own stack."""
+    stop_first = ["sh", "-c", 'kill -STOP $$; exec "$@"', "sh"]
+    with pytest.raises(AssertionError, match=r"(?s)MemAvailable.*--- rank 0 \(pid \d+: state T \(stopped\).*"
+                                             r"at the deadline\) ---"):
+        spawn(child_never_runs, 1, timeout=2, wrap={0: stop_first})

@@ -23,9 +23,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from spawn import spawn  # noqa: E402
+from support.flagos import EMU_ENV  # noqa: E402
+from support.spawn import spawn  # noqa: E402
 
-EMU_ENV = {"FLAGOS_SHM_EMULATE": "1", "FLAGOS_SHM_EMULATE_DEVICES": "4"}
 # transformers' testing_utils: {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl", "hpu": "hccl"}, else "gloo".
 BACKEND_BY_ACCELERATOR = {"cpu": "gloo", "cuda": "nccl", "xpu": "xccl", "hpu": "hccl"}
 VOCAB, DIM, HEADS, LAYERS, SEQ = 32, 16, 2, 2, 8

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from spawn import spawn  # noqa: E402
+from support.spawn import spawn  # noqa: E402
 
 pytestmark = pytest.mark.timeout(200)
 

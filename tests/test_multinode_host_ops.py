@@ -17,8 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from spawn import spawn
-from test_multinode import GLOO_ENV, REDUCE_CASES, SPAWN_DEADLINE_S, _close, _init, _input, _op, _reference
+from support.multinode import (GLOO_ENV, REDUCE_CASES, SPAWN_DEADLINE_S, close_enough, init_group, input_of, op_of,
+                               reference_of)
+from support.spawn import spawn
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -61,7 +62,7 @@ def _count_big_ops(comm) -> list:
 
 
 def host_ops_rank(rank: int, world_size: int, tmp: str, cases: list, numel: int) -> dict:
-    part = _init(rank, world_size)
+    part = init_group(rank, world_size)
     comm = part._comm
     big = _count_big_ops(comm)
     n = world_size
@@ -69,42 +70,42 @@ def host_ops_rank(rank: int, world_size: int, tmp: str, cases: list, numel: int)
 
     def check(name, got, want, before):
         counts[name] = big[before:]
-        if not _close(got, want):
+        if not close_enough(got, want):
             bad.append(f"{name}: got {got.flatten()[:6].tolist()} want {want.flatten()[:6].tolist()}")
 
     for dtype_name, op in cases:
         dtype = getattr(torch, dtype_name)
-        inputs = [_input(r, numel, dtype, op) for r in range(n)]
-        want = _reference(op, inputs)
+        inputs = [input_of(r, numel, dtype, op) for r in range(n)]
+        want = reference_of(op, inputs)
         x, mark = inputs[rank].clone(), len(big)
-        dist.all_reduce(x, op=_op(op))
+        dist.all_reduce(x, op=op_of(op))
         check(f"allreduce/{dtype_name}/{op}", x, want, mark)
         x, mark = inputs[rank].clone(), len(big)
-        dist.reduce(x, n - 1, op=_op(op))
+        dist.reduce(x, n - 1, op=op_of(op))
         check(f"reduce/{dtype_name}/{op}", x, want if rank == n - 1 else inputs[rank], mark)
     k = numel // n
-    inputs = [_input(r, n * k, torch.float32) for r in range(n)]
+    inputs = [input_of(r, n * k, torch.float32) for r in range(n)]
     out, mark = torch.empty(k), len(big)
     dist.reduce_scatter_tensor(out, inputs[rank], op=dist.ReduceOp.AVG)
-    check("reduce_scatter_tensor/AVG", out, _reference("AVG", inputs)[rank * k:(rank + 1) * k], mark)
+    check("reduce_scatter_tensor/AVG", out, reference_of("AVG", inputs)[rank * k:(rank + 1) * k], mark)
     flat, mark = torch.empty(n * numel, dtype=torch.int32), len(big)
-    dist.all_gather_into_tensor(flat, _input(rank, numel, torch.int32))
-    check("allgather", flat, torch.cat([_input(r, numel, torch.int32) for r in range(n)]), mark)
+    dist.all_gather_into_tensor(flat, input_of(rank, numel, torch.int32))
+    check("allgather", flat, torch.cat([input_of(r, numel, torch.int32) for r in range(n)]), mark)
     outs = [torch.empty(numel, dtype=torch.int32) for _ in range(n)] if rank == 0 else None
     mark = len(big)
-    dist.gather(_input(rank, numel, torch.int32), outs, dst=0)
+    dist.gather(input_of(rank, numel, torch.int32), outs, dst=0)
     if rank == 0:
-        check("gather", torch.cat(outs), torch.cat([_input(r, numel, torch.int32) for r in range(n)]), mark)
-    pieces = [_input(q, numel, torch.float64, seed=3) for q in range(n)]
+        check("gather", torch.cat(outs), torch.cat([input_of(r, numel, torch.int32) for r in range(n)]), mark)
+    pieces = [input_of(q, numel, torch.float64, seed=3) for q in range(n)]
     got, mark = torch.empty(numel, dtype=torch.float64), len(big)
     dist.scatter(got, pieces if rank == n - 1 else None, src=n - 1)
     check("scatter", got, pieces[rank], mark)
-    ins = [_input(rank, numel, torch.float32), _input(rank, numel + 1, torch.float32)]
+    ins = [input_of(rank, numel, torch.float32), input_of(rank, numel + 1, torch.float32)]
     outs = [torch.empty(numel // n), torch.empty(numel // n)]
     mark = len(big)
     with dist._coalescing_manager():
         dist.reduce_scatter_tensor(outs[0], ins[0][:n * (numel // n)])
-    want = _reference("SUM", [_input(r, numel, torch.float32)[:n * (numel // n)] for r in range(n)])
+    want = reference_of("SUM", [input_of(r, numel, torch.float32)[:n * (numel // n)] for r in range(n)])
     check("reduce_scatter_coalesced", outs[0], want[rank * (numel // n):(rank + 1) * (numel // n)], mark)
     paths = getattr(comm, "last_reduce_path", None)
     dist.destroy_process_group()
@@ -170,7 +171,7 @@ def test_host_helpers_equal_the_torch_formula_bitwise(dtype, op):
 
     numel, m, n = GRAIN + 3, 3, 5
     acc = host._acc_dtype(dtype, options.PREMUL_SUM if op == "PREMUL_SUM" else getattr(options, op))
-    rows = torch.stack([_input(r, numel, acc if acc != torch.int64 or dtype == torch.int64 else dtype, op, seed=9)
+    rows = torch.stack([input_of(r, numel, acc if acc != torch.int64 or dtype == torch.int64 else dtype, op, seed=9)
                         .to(acc) for r in range(m)])
     code = options.SUM if op == "PREMUL_SUM" else getattr(options, op)
     got = torch.empty(numel, dtype=acc)

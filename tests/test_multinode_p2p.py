@@ -18,9 +18,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from namespaces import needs_unshare, private_shm_namespace
-from spawn import spawn
-from test_multinode import GLOO_ENV, SPAWN_DEADLINE_S, _gloo_threads, _init
+from support.multinode import GLOO_ENV, SPAWN_DEADLINE_S, gloo_threads, init_group
+from support.namespaces import needs_unshare, private_shm_namespace
+from support.spawn import spawn
 
 NODE_ENV = {r: {"FLAGOS_SHM_NODE_ID": k} for r, k in enumerate("aabb")}
 DTYPES = (torch.float32, torch.int64, torch.bfloat16, torch.bool, torch.uint8)
@@ -42,7 +42,7 @@ def _stage(k: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def exchange_rank(rank: int, world_size: int, tmp: str) -> dict:
-    part = _init(rank, world_size)
+    part = init_group(rank, world_size)
     n = world_size
     bad = []
 
@@ -156,7 +156,7 @@ def test_p2p_with_the_second_node_in_its_own_mount_namespace():
 
 
 def failure_rank(rank: int, world_size: int, tmp: str, timeout_s: float) -> dict:
-    _init(rank, world_size, timeout_s)
+    init_group(rank, world_size, timeout_s)
     res = {}
     # size mismatch across nodes (1 -> 2) and inside a node (2 -> 3): both sides raise
     # ValueError, and the pair stays usable
@@ -192,7 +192,7 @@ def failure_rank(rank: int, world_size: int, tmp: str, timeout_s: float) -> dict
         res["dead_s"] = time.monotonic() - t0
     with contextlib.suppress(Exception):
         dist.destroy_process_group()
-    res["gloo_threads"] = _gloo_threads()
+    res["gloo_threads"] = gloo_threads()
     return res
 
 

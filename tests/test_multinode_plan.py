@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from spawn import cache_dir_with_builds, spawn
+from support.spawn import cache_dir_with_builds, spawn
 from test_plan import init_rank  # init_process_group (env://) and one allreduce: the error and its time
 
 from flagos_shm.backend import plan

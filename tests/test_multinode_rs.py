@@ -10,18 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from spawn import spawn
-from test_multinode import (
-    GLOO_ENV,
-    REDUCE_CASES,
-    SPAWN_DEADLINE_S,
-    _close,
-    _digest,
-    _init,
-    _input,
-    _op,
-    _reference,
-)
+from support.multinode import (GLOO_ENV, REDUCE_CASES, SPAWN_DEADLINE_S, close_enough, digest, init_group, input_of,
+                               op_of, reference_of)
+from support.spawn import spawn
 
 ENV_RS = "FLAGOS_SHM_HIER_RS_MIN_BYTES"
 
@@ -39,33 +30,33 @@ def reductions_rank(rank: int, world_size: int, tmp: str, sizes: list) -> dict:
     log = logging.getLogger("flagos_shm")
     log.addHandler(handler)
     log.setLevel(logging.INFO)
-    part = _init(rank, world_size)
+    part = init_group(rank, world_size)
     log.removeHandler(handler)
     comm = part._comm
     n = world_size
     bad, digests, paths = [], {}, {}
 
     def check(name, got, want):
-        digests[name] = _digest(got)
+        digests[name] = digest(got)
         paths[name] = comm.last_reduce_path
-        if not _close(got, want):
+        if not close_enough(got, want):
             bad.append(f"{name}: got {got.flatten()[:6].tolist()} want {want.flatten()[:6].tolist()}")
 
     for numel in sizes:
         for dtype, op in REDUCE_CASES:
-            inputs = [_input(r, numel, dtype, op) for r in range(n)]
+            inputs = [input_of(r, numel, dtype, op) for r in range(n)]
             x = inputs[rank].clone()
-            dist.all_reduce(x, op=_op(op))
-            check(f"allreduce/{dtype}/{op}/{numel}", x, _reference(op, inputs))
+            dist.all_reduce(x, op=op_of(op))
+            check(f"allreduce/{dtype}/{op}/{numel}", x, reference_of(op, inputs))
     for op in ("SUM", "AVG", "MAX"):
-        inputs = [_input(r, 4 * n * 301, torch.float32, op) for r in range(n)]
+        inputs = [input_of(r, 4 * n * 301, torch.float32, op) for r in range(n)]
         x = inputs[rank].clone()
-        dist.reduce(x, 3, op=_op(op))
+        dist.reduce(x, 3, op=op_of(op))
         if rank == 3:
-            check(f"reduce/{op}", x, _reference(op, inputs))
+            check(f"reduce/{op}", x, reference_of(op, inputs))
         out = torch.empty(4 * 301)
-        dist.reduce_scatter_tensor(out, inputs[rank].clone(), op=_op(op))
-        check(f"reduce_scatter/{op}", out, _reference(op, inputs)[4 * 301 * rank:4 * 301 * (rank + 1)])
+        dist.reduce_scatter_tensor(out, inputs[rank].clone(), op=op_of(op))
+        check(f"reduce_scatter/{op}", out, reference_of(op, inputs)[4 * 301 * rank:4 * 301 * (rank + 1)])
     dist.destroy_process_group()
     return {"bad": bad, "digests": digests, "paths": paths, "log": records}
 
@@ -130,7 +121,7 @@ def test_threshold_setting(monkeypatch):
 
 
 def disagree_rank(rank: int, world_size: int, tmp: str) -> dict:
-    _init(rank, world_size)
+    init_group(rank, world_size)
     res = {}
     x = torch.ones(1 << 20)  # 4 MiB: node a takes the reduce-scatter path, node b (off) the leader path
     try:

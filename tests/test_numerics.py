@@ -26,8 +26,8 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from reference import (DTYPES_WITH_COMPLEX, SENTINEL, compare, large_numel, make_input, op_allowed, reduce_op,
-                       reference_reduce)
+from support.reference import (DTYPES_WITH_COMPLEX, SENTINEL, compare, large_numel, make_input, op_allowed,
+                               reduce_op, reference_reduce)
 
 EXAMPLES = int(os.environ.get("FLAGOS_SHM_HYPOTHESIS_EXAMPLES", "50"))
 COLLECTIVES = ["all_reduce", "reduce", "broadcast", "all_gather_into_tensor", "all_gather", "reduce_scatter_tensor",

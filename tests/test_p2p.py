@@ -18,14 +18,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_flagos import emulator_built  # noqa: E402,F401  (fixture)
+from support.flagos import EMU_ENV
 
-from spawn import spawn  # noqa: E402
+from support.spawn import spawn  # noqa: E402
+from support.turns import let_go, wait_for_go  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
 CALL_TIMEOUT_S = 120.0
-EMU_ENV = {"FLAGOS_SHM_EMULATE": "1", "FLAGOS_SHM_EMULATE_DEVICES": "4"}
 ROUTES = {"adapter": {}}  # one c10d adapter on every torch
 
 
@@ -192,8 +192,9 @@ def rank_size_mismatch() -> dict:
 
 
 def rank_back_pressure() -> dict:
-    """Rank 0 isends 4 MiB (16x the ring) while rank 1 waits 0.5 s before receiving: the
-    send is not complete until the receive has started; the data arrives intact."""
+    """Rank 0 isends 4 MiB (16x the ring), looks 0.3 s later whether the send has completed,
+    and only then lets rank 1 receive: the send is not complete until the receive has
+    started; the data arrives intact."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -204,10 +205,11 @@ def rank_back_pressure() -> dict:
         w = dist.isend(x, 1)
         time.sleep(0.3)
         early = w.is_completed()
+        let_go("p2p/back_pressure/receive")
         w.wait()
         return {"early": early, "took": time.monotonic() - t0, "completed": w.is_completed()}
     if rank == 1:
-        time.sleep(0.5)
+        wait_for_go("p2p/back_pressure/receive")
         out = torch.empty(1 << 20)
         dist.recv(out, 0)
         return {"ok": torch.equal(out, x)}
@@ -321,7 +323,7 @@ def test_size_mismatch_raises_on_both_ranks_and_pair_stays_usable(worlds, route_
 
 def test_slow_receiver_holds_the_sender_back(worlds):
     r0, r1 = worlds(2).run(rank_back_pressure, timeout=CALL_TIMEOUT_S)
-    assert r1["ok"] and r0["early"] is False and r0["took"] >= 0.4 and r0["completed"], (r0, r1)
+    assert r1["ok"] and r0["early"] is False and r0["took"] >= 0.3 and r0["completed"], (r0, r1)
 
 
 def test_subgroups_use_group_ranks(worlds, route_env):
@@ -383,8 +385,9 @@ def spawned_peer_dies(rank: int, world_size: int, tmp: str, _unused: str) -> dic
 
 
 def spawned_timeout(rank: int, world_size: int, tmp: str) -> dict:
-    """Nobody sends: rank 0's recv raises at the group's timeout (2 s), naming the peer;
-    a wait with a shorter Work timeout gives up first."""
+    """Nobody sends: rank 0's recv raises at the group's timeout (2 s), naming the peer.
+    Rank 1 stays in the group until then (it used to sleep 3 s, which a loaded machine
+    could outlast, turning the timeout into a departed peer)."""
     import datetime
 
     import torch.distributed as dist
@@ -401,8 +404,9 @@ def spawned_timeout(rank: int, world_size: int, tmp: str) -> dict:
         except RuntimeError as exc:
             res["recv"] = str(exc)
         res["recv_s"] = time.monotonic() - t0
+        let_go("p2p/timeout/done")
     else:
-        time.sleep(3)
+        wait_for_go("p2p/timeout/done")  # stay in the group until rank 0's recv has timed out
     dist.destroy_process_group()
     return res
 
@@ -421,9 +425,11 @@ def test_timeout_names_the_peer():
 
 
 def rank_ctrl_c_in_recv() -> dict:
-    """Rank 0 blocks in recv from rank 1, which sends only 1.5 s later; SIGINT after 0.3 s:
-    KeyboardInterrupt on rank 0, the pair's channel aborted, so rank 1's late send raises
-    RuntimeError naming group rank 0 instead of waiting for the timeout."""
+    """Rank 0 blocks in recv from rank 1, which sends only once rank 0 was interrupted; SIGINT
+    after 0.3 s: KeyboardInterrupt on rank 0, the pair's channel aborted, so rank 1's late
+    send raises RuntimeError naming group rank 0 instead of waiting for the timeout. (Rank
+    1 used to send after a fixed 1.5 s: on a loaded machine the timer could fire later, the
+    receive completed and the SIGINT landed in the test's own clean-up.)"""
     import signal
     import threading
 
@@ -446,9 +452,10 @@ def rank_ctrl_c_in_recv() -> dict:
             finally:
                 timer.join()
                 signal.signal(signal.SIGINT, previous)
+                let_go("p2p/ctrl_c/send")
             out["took"] = time.monotonic() - t0
         elif rank == 1:
-            time.sleep(1.5)
+            wait_for_go("p2p/ctrl_c/send")
             t0 = time.monotonic()
             try:
                 dist.send(torch.ones(4), 0, group=g)

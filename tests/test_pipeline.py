@@ -14,12 +14,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from test_flagos import emulator_built  # noqa: E402,F401  (fixture)
+from support.flagos import EMU_ENV
 
 pytestmark = pytest.mark.timeout(300)
 
 CALL_TIMEOUT_S = 150.0
-EMU_ENV = {"FLAGOS_SHM_EMULATE": "1", "FLAGOS_SHM_EMULATE_DEVICES": "4"}
 N_MICRO, BATCH, STEPS, LR = 4, 8, 2, 0.1
 
 

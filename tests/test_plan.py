@@ -206,7 +206,7 @@ def _group_plan(env: dict, allreduce_bytes: int = 1 << 20):
     return (plan, source), or the ValueError's message."""
     from flagos_shm.backend import shm_part
 
-    import faults
+    from support import faults
 
     with faults.env_override(**env):
         try:
@@ -252,7 +252,7 @@ def settling(cache: str, epoch: float, groups: int, gap: float):
     each group's plan and source, and the cache entry at the end."""
     from flagos_shm.backend import shm_part
 
-    import faults
+    from support import faults
 
     env = {"FLAGOS_SHM_PLAN": "auto", "FLAGOS_SHM_CACHE_DIR": os.path.join(cache, "flagos_shm")}
     world = shm_part(dist.distributed_c10d._get_default_group(), "cpu")._comm
@@ -422,7 +422,7 @@ def test_a_group_made_again_on_the_same_store_agrees_on_its_own_plan():
     were the same for every incarnation: a rank other than 0 read the previous group's
     outcome and kept its plan, so calls that the two plans move differently raised a
     mismatch; with FLAGOS_SHM_PLAN=auto it calibrated alone after a cached plan was read.)"""
-    from spawn import spawn
+    from support.spawn import spawn
 
     plans = ["one_shot_max=1K", "fallback", "one_shot_max=1K"]
     results = spawn(reinit_rank, 2, args=(plans,), timeout=120)
@@ -460,7 +460,7 @@ def test_a_malformed_request_on_one_rank_raises_on_every_rank_at_once(bad_rank, 
     bad rank raised before publishing its request: rank 0 waited for it until the
     timeout and raised DistStoreError; where rank 0 was the bad one, it exited with the
     store and its peer raised DistNetworkError.)"""
-    from spawn import spawn
+    from support.spawn import spawn
 
     results = spawn(init_rank, 2, rank_env={bad_rank: {var: value}}, timeout=120)
     for rank, res in enumerate(results):

@@ -7,7 +7,9 @@
 (c) Ranks of one node in different PID namespaces: detected at set-up, named on every rank.
 
 Each test uses a group timeout of :data:`GROUP_TIMEOUT_S` and asserts detection well under
-it (:data:`DETECT_S`); the measured times are printed (``pytest -s``).
+it (:data:`DETECT_S`), timed from the moment every rank has started (``support.spawn.start_together``),
+so that a peer's slow start-up on a loaded machine does not count; the measured times are
+printed (``pytest -s``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-from namespaces import needs_unshare, private_shm_namespace
-from spawn import spawn
+from support.namespaces import needs_unshare, private_shm_namespace
+from support.spawn import spawn, start_together
 
 GROUP_TIMEOUT_S = 60.0
 DETECT_S = 10.0
@@ -38,6 +40,7 @@ def setup_rank(rank: int, world_size: int, tmp: str, mode: str) -> dict:
     from flagos_shm import _core
     from flagos_shm.backend import rendezvous
 
+    start_together(tmp, rank, world_size, DEADLINE_S)
     if mode == "slow-reader" and rank == 1:
         get_all = rendezvous._get_all
 

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from harness import World
+from support.harness import World
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -42,6 +42,8 @@ def test_waiting_ranks_do_not_burn_cpu(worlds, backend, op):
     results = worlds(4).run(rank_wait_for_late_peer, LATE_S, op)
     for rank, res in enumerate(results[:-1]):
         assert res["ok"], (rank, res)
-        assert res["wall_s"] > 0.8 * LATE_S, (rank, res)  # it really waited
+        # It really waited (the late rank's sleep starts when it leaves the barrier, which on
+        # a loaded machine can be a good part of a second after the others do).
+        assert res["wall_s"] > 0.5 * LATE_S, (rank, res)
         # Spinning would use about wall_s of CPU; the futex sleep uses a few milliseconds.
         assert res["cpu_s"] < 0.1 * res["wall_s"], (rank, res)

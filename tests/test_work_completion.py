@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from test_flagos import CALL_TIMEOUT_S, EMU_ENV, emulator_built  # noqa: F401  (fixture)
+from support.flagos import CALL_TIMEOUT_S, EMU_ENV
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -2,8 +2,8 @@
 restarts of ranks. Not part of the pytest suite (not collected: the name has no test_
 prefix); run it by hand or in a nightly job::
 
-    python tests/soak.py --minutes 10 --nproc 4
-    python tests/soak.py --seconds 30 --nproc 3 --seed 7 --json soak.json
+    python tests/support/soak.py --minutes 10 --nproc 4
+    python tests/support/soak.py --seconds 30 --nproc 3 --seed 7 --json soak.json
 
 A driver keeps ``--nproc`` worker processes (each a fresh interpreter with torch and
 flagos_shm imported). Every *round* it draws 1-4 groups over random subsets of the workers
@@ -74,7 +74,7 @@ def worker_main(fd: int) -> int:
         ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: die with the driver
     except Exception:  # noqa: BLE001
         pass
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.dirname(HERE))  # tests/, above the support package
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver asks for stacks of a hung worker
@@ -82,7 +82,7 @@ def worker_main(fd: int) -> int:
 
     torch.set_num_threads(1)
     import flagos_shm  # noqa: F401
-    import faults
+    from support import faults
 
     conn = Connection(fd)
     conn.send_bytes(pickle.dumps(("ready", os.getpid())))

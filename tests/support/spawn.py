@@ -61,9 +61,12 @@ def spawn(fn, world_size: int, env: dict | None = None, args: tuple = (),
     left behind, whatever happens.
 
     Raises:
-        AssertionError: a rank failed or timed out (with every rank's log), or left a
-            segment file.
+        AssertionError: a rank failed or timed out (with every rank's log, how each ended,
+            the kernel's view of each rank still there at the deadline, and the machine's
+            memory and load), or left a segment file.
     """
+    from .harness import describe_exit, machine_state, process_state
+
     tmp = tempfile.mkdtemp(prefix="flagos_test_")
     shm = tempfile.mkdtemp(prefix="flagos_shm_test_", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     base = {k: v for k, v in os.environ.items() if not k.startswith("FLAGOS_SHM_EMULATE")}
@@ -89,15 +92,21 @@ def spawn(fn, world_size: int, env: dict | None = None, args: tuple = (),
             except subprocess.TimeoutExpired:
                 break
         codes = [p.poll() for p in procs]
+        # Processes still there at the deadline: what the kernel says they were doing (a
+        # stopped or swapping process cannot dump its own stack) and how loaded the machine was.
+        hung = {r: process_state(p.pid) for r, p in enumerate(procs) if codes[r] is None}
+        machine = machine_state() if hung else ""
         results = []
         for rank in range(world_size):
             path = os.path.join(tmp, f"result{rank}.json")
             results.append(json.load(open(path)) if os.path.exists(path) else None)
         bad = [r for r in range(world_size) if (codes[r] != 0 or results[r] is None) and r not in may_die]
         if bad:
-            report = "".join(f"\n--- rank {r} (exit {codes[r]}) ---\n{open(logs[r], errors='replace').read()[-6000:]}"
+            ends = [f"{hung[r]} at the deadline" if r in hung else describe_exit(codes[r]) for r in range(world_size)]
+            report = "".join(f"\n--- rank {r} ({ends[r]}) ---\n{open(logs[r], errors='replace').read()[-6000:]}"
                              for r in range(world_size))
-            raise AssertionError(f"{fn.__name__} failed in {world_size} fresh rank(s):{report}")
+            raise AssertionError(f"{fn.__name__} failed in {world_size} fresh rank(s) "
+                                 f"({machine or machine_state()}):{report}")
         return results
     finally:
         for proc in procs:
@@ -109,6 +118,22 @@ def spawn(fn, world_size: int, env: dict | None = None, args: tuple = (),
         shutil.rmtree(tmp, ignore_errors=True)
         if left:
             raise AssertionError(f"segment files left behind: {left}")
+
+
+def start_together(tmp: str, rank: int, world_size: int, timeout_s: float = SPAWN_TIMEOUT_S) -> None:
+    """In a spawned rank: wait until all ``world_size`` ranks have got here (a file each in
+    their shared directory ``tmp``), at most ``timeout_s`` seconds (TimeoutError).
+
+    For times measured from here on that must leave out the ranks' start-up: importing
+    torch takes seconds, and tens on a loaded machine, so fresh ranks get going far apart,
+    and a rank that starts its clock at once counts the wait for its slowest peer
+    (issue 27)."""
+    open(os.path.join(tmp, f"started{rank}"), "w").close()
+    end = time.monotonic() + timeout_s
+    while not all(os.path.exists(os.path.join(tmp, f"started{r}")) for r in range(world_size)):
+        if time.monotonic() > end:
+            raise TimeoutError(f"rank {rank}: the other ranks did not start within {timeout_s} s")
+        time.sleep(0.01)
 
 
 def _child_main(argv: list) -> int:

@@ -1,4 +1,5 @@
-"""Helpers for the failure tests (``test_failures.py``) and the soak run (``soak.py``).
+"""Helpers for the failure tests (``test_dead_peers.py``, ``test_no_leaks.py`` and the others
+that were ``test_failures.py``) and the soak run (``soak.py``).
 
 They run inside rank processes (a ``harness.World`` pool, or the soak's workers):
 
@@ -75,6 +76,19 @@ def shm_group(store_path, rank: int, size: int, name: str, timeout_s: float,
     with env_override(FLAGOS_SHM_SLOT_BYTES=slot_bytes, FLAGOS_SHM_DIR=shm_dir,
                       FLAGOS_SHM_CMA="0" if slot_bytes else None):
         return process_group(store, rank, size, timeout=timedelta(seconds=timeout_s), group_name=name)
+
+
+#: Timeout of the groups built by the failure tests (``test_dead_peers.py`` and the
+#: others that were ``test_failures.py``), seconds.
+TIMEOUT_S = 3.0
+
+
+
+def signal_self(sig: str, out_dir: str, grank: int) -> None:
+    """Record this process's pid and the time (``out_dir/signalled<grank>.json``), then send itself
+    SIGKILL (``sig="KILL"``) or SIGSTOP (otherwise)."""
+    write_json(os.path.join(out_dir, f"signalled{grank}.json"), {"at": time.monotonic(), "pid": os.getpid()})
+    os.kill(os.getpid(), signal.SIGKILL if sig == "KILL" else signal.SIGSTOP)
 
 
 # ---- forked ranks ----------------------------------------------------------------------------

@@ -7,7 +7,7 @@ the test suite starts the ranks of each world size once and reuses them:
     results = world.run(fn, *args)      # fn(*args) on every rank -> [result of rank 0, ...]
     world.close()
 
-Each rank is a separate ``python tests/harness.py`` process. It sets its environment
+Each rank is a separate ``python tests/support/harness.py`` process. It sets its environment
 (``FLAGOS_SHM_DIR``, optional ``FLAGOS_SHM_SLOT_BYTES``, one intra-op thread), imports
 ``flagos_shm`` when the backend needs it, joins the default process group with
 ``dist.init_process_group(backend, store=FileStore(...), rank, world_size, timeout)`` and
@@ -21,7 +21,12 @@ Failure handling:
 
 * every call has a deadline (``timeout`` seconds, default :data:`DEFAULT_CALL_TIMEOUT_S`);
   past it the ranks dump their Python stacks into their logs (``faulthandler`` on SIGUSR1),
-  the pool is killed and :class:`WorldTimeout` is raised with every rank's log tail;
+  the pool is killed and :class:`WorldTimeout` is raised with every rank's log tail, the
+  state of each silent rank's process (running, sleeping in the kernel, stopped) and the
+  machine's free memory and load;
+* a rank that exited, during a call or while the pool was idle between calls, makes the
+  next call raise :class:`WorldDied` naming its exit code or the signal that killed it,
+  with every rank's log (never a bare ``BrokenPipeError`` from the send);
 * a rank that raises makes :meth:`World.run` raise :class:`RankError` with every failing
   rank's traceback, after a short health check (barrier + all_reduce) of the pool; a pool
   that fails it, or whose rank died, is killed;
@@ -50,7 +55,8 @@ import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Optional
 
-__all__ = ["World", "RankError", "WorldTimeout", "WorldDied", "DEFAULT_CALL_TIMEOUT_S"]
+__all__ = ["World", "RankError", "WorldTimeout", "WorldDied", "DEFAULT_CALL_TIMEOUT_S", "describe_exit",
+           "machine_state", "process_state"]
 
 #: Default deadline of one ``World.run`` call, seconds.
 DEFAULT_CALL_TIMEOUT_S = 90.0
@@ -99,6 +105,53 @@ def remove_stale_dirs() -> None:
                     pass
             else:
                 shutil.rmtree(path, ignore_errors=True)
+
+
+def describe_exit(code: Optional[int]) -> str:
+    """A child's ``Popen.returncode`` in words: still running, exit code, or the signal
+    that killed it (SIGKILL from nobody in the suite usually means the kernel's OOM killer:
+    see ``dmesg``)."""
+    if code is None:
+        return "is still running"
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    hint = " (not sent by the harness before this report: the kernel's OOM killer? see dmesg)" \
+        if -code == signal.SIGKILL else ""
+    return f"was killed by {name}{hint}"
+
+
+def machine_state() -> str:
+    """The machine's available memory and load, for reports of ranks that died or hung."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        mem = (f"MemAvailable {int(info['MemAvailable'].split()[0]) >> 10} MiB of "
+               f"{int(info['MemTotal'].split()[0]) >> 10} MiB")
+    except (OSError, KeyError, ValueError):
+        mem = "memory unknown"
+    try:
+        load = "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "load unknown"
+    return f"machine: {mem}, {load}, {os.cpu_count()} CPUs"
+
+
+def process_state(pid: int) -> str:
+    """A live process's state for a hang report: its state letter (R running, S sleeping,
+    D uninterruptible, T stopped, Z zombie), kernel wait channel and resident memory."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = dict(line.rstrip("\n").split(":\t", 1) for line in f if ":\t" in line)
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read().strip() or "-"
+    except OSError as exc:
+        return f"pid {pid}: unreadable ({exc})"
+    return (f"pid {pid}: state {status.get('State', '?')}, wchan {wchan}, "
+            f"VmRSS {status.get('VmRSS', '?').strip()}, threads {status.get('Threads', '?')}")
 
 
 class RankError(AssertionError):
@@ -290,14 +343,49 @@ class World:
         message = pickle.dumps(("call", fn.__module__, getattr(module, "__file__", None), fn.__qualname__,
                                 args, kwargs))
         self.calls += 1
+        what = fn.__qualname__
         try:
-            for conn in self.conns:
-                conn.send_bytes(message)
-            return self._collect(self.call_timeout_s if timeout is None else timeout, fn.__qualname__)
+            # A rank that died while the pool was idle (between calls) is reported as such,
+            # with its exit status and log, instead of as a broken pipe on the send.
+            self._raise_if_dead(f"{what}: before the call")
+            for rank, conn in enumerate(self.conns):
+                try:
+                    conn.send_bytes(message)
+                except OSError as exc:  # the rank closed its end: it exited
+                    self._raise_if_dead(f"{what}: sending the call ({type(exc).__name__})", rank)
+                    raise
+            return self._collect(self.call_timeout_s if timeout is None else timeout, what)
         except BaseException:
             if self.alive:  # interrupted (Ctrl-C, pytest-timeout) or the pipe broke
                 self.close(graceful=False)
             raise
+
+    def dead_ranks(self) -> list:
+        """The ranks whose processes have exited, as ``(rank, returncode)``."""
+        return [(r, p.poll()) for r, p in enumerate(self.procs) if p.poll() is not None]
+
+    def death_report(self) -> str:
+        """Why and how each exited rank ended (:func:`describe_exit`), the machine's memory
+        and load, and every rank's log tail; empty if every rank is alive."""
+        dead = self.dead_ranks()
+        if not dead:
+            return ""
+        lines = [f"rank {r} (pid {self.procs[r].pid}) {describe_exit(code)}" for r, code in dead]
+        return "; ".join(lines) + f"\n{machine_state()}" + self._log_report()
+
+    def _raise_if_dead(self, what: str, rank: Optional[int] = None) -> None:
+        """Raise :class:`WorldDied` (killing the pool) if a rank has exited (``rank``: the
+        one whose pipe broke, waited for briefly)."""
+        if rank is not None:
+            try:
+                self.procs[rank].wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
+        report = self.death_report()
+        if report:
+            self.close(graceful=False)
+            raise WorldDied(f"{what}: a rank of {self.backend} world size {self.world_size} had exited: "
+                            f"{report}") from None
 
     def _collect(self, timeout: float, what: str) -> list:
         deadline = time.monotonic() + timeout
@@ -307,11 +395,13 @@ class World:
             ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
                 missing = sorted(pending.values())
+                states = "\n".join(f"rank {r}: {process_state(self.procs[r].pid)}" for r in missing
+                                   if self.procs[r].poll() is None)
                 self._dump_stacks()
                 self.close(graceful=False)
                 raise WorldTimeout(f"{what}: rank(s) {missing} of {self.backend} world size {self.world_size} "
-                                   f"did not answer within {timeout:.0f} s; the pool was killed"
-                                   + self._log_report())
+                                   f"did not answer within {timeout:.0f} s; the pool was killed\n{states}\n"
+                                   f"{machine_state()}" + self._log_report())
             for conn in ready:
                 rank = pending.pop(conn)
                 try:
@@ -320,9 +410,11 @@ class World:
                     # Give the other ranks a moment to report (or fail) before killing.
                     time.sleep(1.0)
                     code = self.procs[rank].poll()
+                    state = machine_state()
                     self.close(graceful=False)
                     raise WorldDied(f"{what}: rank {rank} of {self.backend} world size {self.world_size} "
-                                    f"exited (code {code}); the pool was killed" + self._log_report()) from None
+                                    f"{describe_exit(code)}; the pool was killed\n{state}"
+                                    + self._log_report()) from None
         return answers
 
     def check_health(self) -> bool:
@@ -409,7 +501,11 @@ def _error_answer(exc: BaseException):
 
 def _resolve(module_name: str, module_file: Optional[str], qualname: str):
     if module_file:
+        # The directory that makes ``module_name`` importable: the file's own for a test
+        # module (``test_x``), the one above the package for ``support.harness``.
         directory = os.path.dirname(os.path.abspath(module_file))
+        for _ in range(module_name.count(".") + (os.path.basename(module_file) == "__init__.py")):
+            directory = os.path.dirname(directory)
         if directory not in sys.path:
             sys.path.insert(0, directory)
     obj = importlib.import_module(module_name)
