@@ -1,12 +1,8 @@
 """The emulated flagos device's runtime APIs: streams, events and the device module,
 ``torch.accelerator``, memory statistics following allocations, ``manual_seed``.
 
-Enabling the device renames PrivateUse1 for the whole process and cannot be undone, so every
-test that enables it runs a fresh interpreter (``support.emulation_child.run_child``); the
-child prints one line ``RESULT:<json>`` and the assertions run here, against references
-computed on CPU in the same child (or constants). The C++ part is compiled once per module
-by the ``built`` fixture (conftest.py; cached in the user cache, see
-``flagos_shm.emulation.build``); children then only load it.
+Each test runs its device code in a fresh interpreter and asserts here against references
+computed on CPU in the same child (how and why: ``support/emulation_child.py``).
 """
 
 from __future__ import annotations

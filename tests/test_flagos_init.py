@@ -3,11 +3,8 @@
 importing flagos_shm), ``init_device_mesh`` without a process group, and the refused
 ``"cpu:gloo,flagos:flagos_shm"`` string.
 
-Every rank uses ``flagos:<rank>`` of the emulated PrivateUse1 device
-(:mod:`flagos_shm.emulation`), enabled by ``FLAGOS_SHM_EMULATE=1`` before ``import
-flagos_shm`` (``support.flagos.EMU_ENV``). References are computed another way in the same
-rank. Skipped under ``--backend gloo`` (gloo has no flagos backend). The other parts of
-issue 3's "what must work" list are the other ``test_flagos_*.py`` files.
+The set-up these files share (the emulated device on ``flagos:<rank>``, references computed
+another way in the same rank, skipped under ``--backend gloo``): ``support/flagos.py``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """Running code in a fresh interpreter for the tests of the emulated flagos device
 (``test_emulation*.py``): enabling the device renames PrivateUse1 for the whole process and
 cannot be undone, so every test that enables it runs a child whose one line
-``RESULT:<json>`` :func:`run_child` returns.
+``RESULT:<json>`` :func:`run_child` returns. The assertions run in the test, against
+references computed on CPU in the same child (or constants). The C++ part is compiled once
+per module by the ``built`` fixture (conftest.py; cached in the user cache, see
+``flagos_shm.emulation.build``); children then only load it.
 """
 
 from __future__ import annotations

@@ -2,6 +2,12 @@
 the ranks' environment and deadlines, and rank-side helpers that select ``flagos:<rank>`` and
 compare results bitwise or within a tolerance. The fixtures ``emulator_built``,
 ``flagos_world`` and ``fresh`` are in ``conftest.py``.
+
+Every rank uses ``flagos:<rank>`` of the emulated PrivateUse1 device
+(:mod:`flagos_shm.emulation`), enabled by ``FLAGOS_SHM_EMULATE=1`` before ``import
+flagos_shm`` (:data:`EMU_ENV`). References are computed another way in the same rank. The
+tests are skipped under ``--backend gloo`` (gloo has no flagos backend). Together the
+``test_flagos_*.py`` files cover issue 3's "what must work" list.
 """
 
 from __future__ import annotations
