@@ -40,10 +40,6 @@ pub struct Settings {
     /// Whether this rank allows single-copy transfers ([`cma`]); false on any rank turns
     /// them off for the whole group (`FLAGOS_SHM_CMA`).
     pub single_copy: bool,
-    /// This rank's single-copy threshold in bytes (the group takes the largest any rank
-    /// gives; 0 counts as 1), replacing the plan's single-copy thresholds
-    /// ([`Plan::with_single_copy_min`]); None: the plan's (`FLAGOS_SHM_CMA_MIN_BYTES`).
-    pub single_copy_min_bytes: Option<usize>,
     /// How this rank copies into its slot until [`Communicator::set_stream_mode`]
     /// (`FLAGOS_SHM_STREAM`).
     pub stream: Mode,
@@ -53,10 +49,10 @@ pub struct Settings {
 }
 
 impl Default for Settings {
-    /// Single-copy allowed with the plan's thresholds, [`Mode::Auto`], `SCHED_BATCH`: what
+    /// Single-copy allowed (where the plan's bands say), [`Mode::Auto`], `SCHED_BATCH`: what
     /// an unset environment meant.
     fn default() -> Settings {
-        Settings { single_copy: true, single_copy_min_bytes: None, stream: Mode::Auto, progress_batch: true }
+        Settings { single_copy: true, stream: Mode::Auto, progress_batch: true }
     }
 }
 
@@ -192,11 +188,7 @@ impl Communicator {
             streamer: crate::stream::Streamer::new(settings.stream),
             settings,
         };
-        let agreed = comm.probe_cma()?;
-        comm.cma_ok = agreed != u64::MAX;
-        if comm.cma_ok && agreed > 0 {
-            comm.plan = comm.plan.with_single_copy_min(usize::try_from(agreed).unwrap_or(NEVER));
-        }
+        comm.cma_ok = comm.probe_cma()?;
         Ok(comm)
     }
 
@@ -207,7 +199,7 @@ impl Communicator {
         self.plan().band(Kind::Allgather).map(|b| b.min).filter(|&m| m != NEVER)
     }
 
-    /// Sets the legacy single-copy threshold (`None`: never use single-copy):
+    /// Sets one single-copy threshold for every collective (`None`: never use single-copy):
     /// [`Plan::with_single_copy_min`] of the current plan. Has no effect on a group that
     /// cannot use single-copy transfers. Every rank of the group must set the same value
     /// before its next collective (see [`Self::set_plan`]); meant for tests and measurements.
@@ -282,14 +274,13 @@ impl Communicator {
     /// Checks, with every rank, that each can read each peer's memory: every rank
     /// publishes the address and value of a random probe word, reads every peer's word
     /// with `process_vm_readv` and publishes whether all reads returned the right values
-    /// (which also proves the pid names the right process), together with its own
-    /// threshold ([`Settings::single_copy_min_bytes`], 0 when None). Two steps of the group's
-    /// sequence; every rank gets the same answer: the largest threshold (0: nobody set
-    /// one), or `u64::MAX` if any rank failed (or has [`Settings::single_copy`] false).
-    fn probe_cma(&mut self) -> Result<u64> {
+    /// (which also proves the pid names the right process). Two steps of the group's
+    /// sequence; every rank gets the same answer: true when every rank read every peer's
+    /// word, false if any rank failed (or has [`Settings::single_copy`] false).
+    fn probe_cma(&mut self) -> Result<bool> {
         use std::hash::{BuildHasher, Hasher};
         if self.n == 1 {
-            return Ok(u64::MAX);
+            return Ok(false);
         }
         let word = Box::new(std::collections::hash_map::RandomState::new().build_hasher().finish() | 1);
         let seg = Arc::clone(&self.seg);
@@ -305,10 +296,9 @@ impl Communicator {
             // SAFETY: `got` is a local u64, valid for 8 bytes of writes.
             ok = unsafe { cma::read(pid, addr, &mut got as *mut u64 as *mut u8, 8) }.is_ok() && got == expect;
         }
-        let mine = if ok { self.settings.single_copy_min_bytes.map_or(0, |b| b.max(1) as u64) } else { u64::MAX };
-        sync::publish_cma(&seg, self.rank, mine);
+        sync::publish_cma(&seg, self.rank, ok);
         self.sync(None)?;
-        let agreed = (0..self.n).map(|q| sync::read_cma(&seg, q)).max().unwrap_or(u64::MAX);
+        let agreed = (0..self.n).all(|q| sync::read_cma(&seg, q));
         drop(word); // every peer has read it: they all passed the second step
         Ok(agreed)
     }

@@ -126,9 +126,9 @@ impl Plan {
         self.with_single_copy_min(NEVER)
     }
 
-    /// The plan with the legacy single-copy threshold `min` (`FLAGOS_SHM_CMA_MIN_BYTES`,
-    /// `set_single_copy_min_bytes`): every single-copy collective from `min` bytes up but
-    /// allreduce, from 8 x `min`.
+    /// The plan with one single-copy threshold `min`
+    /// ([`crate::Communicator::set_single_copy_min_bytes`], for tests and measurements):
+    /// every single-copy collective from `min` bytes up but allreduce, from 8 x `min`.
     pub fn with_single_copy_min(self, min: usize) -> Plan {
         let mut single_copy = [Band::from(min); 5];
         single_copy[0] = Band::from(min.saturating_mul(8));

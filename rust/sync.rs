@@ -299,12 +299,14 @@ pub fn read_probe(seg: &Segment, q: usize) -> (u32, u64, u64) {
     (c.pid.load(Ordering::Relaxed), c.addr.load(Ordering::Relaxed), c.probe.load(Ordering::Relaxed))
 }
 
-/// Publishes this rank's single-copy verdict / threshold (Relaxed; ordered by `arrive`).
-pub fn publish_cma(seg: &Segment, rank: usize, v: u64) {
-    seg.ctrl(rank).cma.store(v, Ordering::Relaxed);
+/// Publishes whether this rank read every peer's probe word (Relaxed; ordered by `arrive`):
+/// 1 yes, 2 no (the field's values, `segment::Ctrl::cma`).
+pub fn publish_cma(seg: &Segment, rank: usize, ok: bool) {
+    seg.ctrl(rank).cma.store(if ok { 1 } else { 2 }, Ordering::Relaxed);
 }
 
-/// Rank `q`'s published single-copy verdict, after `wait_all` for its step.
-pub fn read_cma(seg: &Segment, q: usize) -> u64 {
-    seg.ctrl(q).cma.load(Ordering::Relaxed)
+/// Rank `q`'s published single-copy verdict, after `wait_all` for its step (0, not yet
+/// published, reads as no).
+pub fn read_cma(seg: &Segment, q: usize) -> bool {
+    seg.ctrl(q).cma.load(Ordering::Relaxed) == 1
 }

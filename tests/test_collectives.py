@@ -12,8 +12,9 @@ Sizes are 0, 1, 3, 7 elements and a large one (``support.reference.large_numel``
 slots, about 640 KiB with the suite's 256 KiB slot (conftest.py pins it;
 ``test_collective_default_slots`` runs four collectives with the core's default), which goes through the slots in 3
 chunks and, at 2-4 ranks, takes the two-step allreduce (above ``_core.ONE_SHOT_MAX_BYTES``).
-The large size is above ``_core.CMA_MIN_BYTES``, so allreduce, broadcast, allgather and
-reduce-scatter take the single-copy path (``process_vm_readv``) where the machine allows it.
+The large size is inside the single-copy bands of the fallback plan (the suite's;
+``_core.PLAN_FALLBACK``) for allgather, reduce-scatter, broadcast and all-to-all, which take
+the single-copy path (``process_vm_readv``) where the machine allows it.
 ``test_collective_small_slots`` repeats six collectives in pools with 4 KiB slots
 (``FLAGOS_SHM_SLOT_BYTES=4096``) and single-copy off (``FLAGOS_SHM_CMA=0``), where the
 large size is 320 KiB: 80 chunks through the slots, two-step allreduce, slices of each
@@ -482,14 +483,14 @@ SINGLE_COPY_COLLECTIVES = ["all_reduce", "reduce_scatter_tensor", "all_gather_in
 @pytest.mark.parametrize("collective", SINGLE_COPY_COLLECTIVES)
 def test_collective_single_copy(worlds, backend, collective, world_size):
     """The same checks with the single-copy threshold lowered to 1 KiB
-    (``FLAGOS_SHM_CMA_MIN_BYTES=1024``; allreduce from 8 KiB): the large size of every dtype
+    (``FLAGOS_SHM_PLAN=single_copy=1K,allreduce_single_copy=8K``): the large size of every dtype
     takes the ``process_vm_readv`` path (broadcast: the non-roots read the root's buffer;
     all-to-all with equal splits: each rank reads its piece of every peer's input),
     including allreduce, which by default switches only at 2 MiB. Skipped where the kernel
     forbids cross-process reads."""
     if backend == "gloo":
         pytest.skip("single-copy is a flagos_shm path")
-    world = worlds(world_size, FLAGOS_SHM_CMA_MIN_BYTES="1024")
+    world = worlds(world_size, FLAGOS_SHM_PLAN="single_copy=1K,allreduce_single_copy=8K")
     if world.run(_single_copy_min_bytes)[0] is None:
         pytest.skip("process_vm_readv between the ranks is not allowed here (ptrace scope / seccomp)")
     assert_clean(world.run(COLLECTIVES[collective]), f"{collective} at world size {world_size}, single-copy")

@@ -1,9 +1,8 @@
 """The settings the core reads itself, read the way the README's table says: the off words
-of every other flag (``0``, ``false``, ``no``, ``off``) turn ``FLAGOS_SHM_CMA`` off, and a
-``FLAGOS_SHM_CMA_MIN_BYTES`` the core cannot parse raises ``ValueError`` naming it on every
-rank (it used to be ignored, silently replacing the plan's single-copy thresholds by the
-core's defaults). Each rank sets the variable between groups, so one spawn covers every
-value, and the group created without it is the control.
+of every other flag (``0``, ``false``, ``no``, ``off``) turn ``FLAGOS_SHM_CMA`` off, and the
+retired ``FLAGOS_SHM_CMA_MIN_BYTES`` (folded into ``FLAGOS_SHM_PLAN``) changes no group's
+plan, whatever its value. Each rank sets the variable between groups, so one spawn covers
+every value, and the group created without it is the control.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ STREAM_WORDS = {"0": "plain", "off": "plain", " Never ": "plain", "1": "stream",
                 "auto": "auto", "": "auto", "maybe": "auto"}
 #: Element counts for the streaming checks: odd tails, several 1 MiB slot chunks.
 STREAM_COUNTS = (8192 + 13, (1 << 18) + 5, 3 * (1 << 18) + 1)
-BAD_MIN_BYTES = ("64K", "-1", "1e6", "99999999999999999999999")
+RETIRED_MIN_BYTES = ("1024", "64K", "-1", "99999999999999999999999")
 
 
 def _single_copy(group) -> bool:
@@ -37,20 +36,19 @@ def env_rank(rank: int, world_size: int, tmp: str) -> dict:
     import flagos_shm
 
     dist.init_process_group("flagos_shm", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
-    res = {"control": _single_copy(dist.group.WORLD), "off": {}, "bad": {}}
+    res = {"control": _single_copy(dist.group.WORLD), "off": {}, "retired": {},
+           "plan": flagos_shm.backend.shm_part(dist.group.WORLD)._comm.plan}
     for word in CMA_OFF_WORDS:
         os.environ["FLAGOS_SHM_CMA"] = word
         group = dist.new_group(list(range(world_size)))
         res["off"][word] = _single_copy(group)
         dist.destroy_process_group(group)
     del os.environ["FLAGOS_SHM_CMA"]
-    for value in BAD_MIN_BYTES:
+    for value in RETIRED_MIN_BYTES:
         os.environ["FLAGOS_SHM_CMA_MIN_BYTES"] = value
-        try:
-            dist.new_group(list(range(world_size)))
-            res["bad"][value] = None
-        except ValueError as exc:
-            res["bad"][value] = str(exc)
+        group = dist.new_group(list(range(world_size)))
+        res["retired"][value] = flagos_shm.backend.shm_part(group)._comm.plan
+        dist.destroy_process_group(group)
     del os.environ["FLAGOS_SHM_CMA_MIN_BYTES"]
     res["stream"] = {}
     for word, _ in STREAM_WORDS.items():
@@ -102,11 +100,13 @@ def test_default_group_unharmed(results):
     assert [res["sum"] for res in results] == [want] * WORLD_SIZE
 
 
-def test_malformed_cma_min_bytes_raises_naming_it_on_every_rank(results):
+def test_the_retired_cma_min_bytes_changes_no_plan(results):
+    """The control group's plan (the suite's ``FLAGOS_SHM_PLAN=fallback``) is every group's
+    plan whatever ``FLAGOS_SHM_CMA_MIN_BYTES`` says; the 1 KiB value used to move every
+    single-copy threshold to 1 KiB and allreduce's to 8 KiB."""
     for rank, res in enumerate(results):
-        for value, err in res["bad"].items():
-            assert err is not None, f"rank {rank}: FLAGOS_SHM_CMA_MIN_BYTES={value!r} was accepted"
-            assert "FLAGOS_SHM_CMA_MIN_BYTES" in err and repr(value.strip()) in err, err
+        assert res["plan"]["allgather_single_copy_min_bytes"] != 1024, (rank, res["plan"])
+        assert res["retired"] == dict.fromkeys(RETIRED_MIN_BYTES, res["plan"]), rank
 
 
 def test_cma_off_words_turn_single_copy_off(results):

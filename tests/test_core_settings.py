@@ -23,14 +23,27 @@ def test_config_reads_the_core_settings_with_one_set_of_words(monkeypatch):
         monkeypatch.setenv("FLAGOS_SHM_CMA", word)
         monkeypatch.setenv("FLAGOS_SHM_PROGRESS_BATCH", word)
         assert (config.single_copy(), config.progress_batch()) == (on, on), word
-    for raw, want in {"": None, "0": 0, " 4096 ": 4096, "64K": None}.items():
-        monkeypatch.setenv("FLAGOS_SHM_CMA_MIN_BYTES", raw)
-        assert config.single_copy_min_bytes() == want, raw
-    monkeypatch.setenv("FLAGOS_SHM_CMA_MIN_BYTES", "8192")
+    monkeypatch.setenv("FLAGOS_SHM_CMA_MIN_BYTES", "8192")  # retired: passes nothing
     monkeypatch.setenv("FLAGOS_SHM_STREAM", "never")
     monkeypatch.setenv("FLAGOS_SHM_CMA", "off")
-    assert config.core_settings() == {"single_copy": False, "single_copy_min_bytes": 8192, "stream": "plain",
-                                      "progress_batch": True}
+    assert config.core_settings() == {"single_copy": False, "stream": "plain", "progress_batch": True}
+
+
+def test_a_retired_setting_still_set_is_named_with_its_replacement(monkeypatch):
+    """``FLAGOS_SHM_CMA_MIN_BYTES`` was folded into ``FLAGOS_SHM_PLAN`` (its ``single_copy``
+    key): a user who still sets it is told so, with the plan text that does what it did,
+    and the retired text itself parses to those thresholds."""
+    from flagos_shm.backend import plan
+
+    monkeypatch.delenv("FLAGOS_SHM_ROUTE", raising=False)
+    monkeypatch.delenv("FLAGOS_SHM_CMA_MIN_BYTES", raising=False)
+    assert config.retired() == {}
+    monkeypatch.setenv("FLAGOS_SHM_CMA_MIN_BYTES", "4096")
+    why = config.retired()["FLAGOS_SHM_CMA_MIN_BYTES"]
+    assert "FLAGOS_SHM_PLAN=single_copy=N" in why and "allreduce_single_copy=8N" in why, why
+    p = plan.parse("single_copy=4096,allreduce_single_copy=32K")
+    assert [p[k] for k in plan.SINGLE_COPY_KEYS] == [8 * 4096] + [4096] * (len(plan.SINGLE_COPY_KEYS) - 1), p
+    assert all(p[k] is None for k in plan.SINGLE_COPY_MAX_KEYS), p
 
 
 @pytest.mark.parametrize("stream", ["plain", "stream", "auto"])

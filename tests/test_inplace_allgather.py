@@ -52,7 +52,7 @@ def rank_in_place(k: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("env", [{}, {"FLAGOS_SHM_SLOT_BYTES": "4096", "FLAGOS_SHM_CMA": "0"},
-                                 {"FLAGOS_SHM_CMA_MIN_BYTES": "1024"}], ids=["slots", "many_chunks", "single_copy"])
+                                 {"FLAGOS_SHM_PLAN": "single_copy=1K"}], ids=["slots", "many_chunks", "single_copy"])
 def test_in_place_all_gather_reads_the_input_where_it_lies(worlds, backend, world_size, env):
     if backend != "flagos_shm":
         pytest.skip("flagos_shm's staging")

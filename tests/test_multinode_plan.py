@@ -99,7 +99,7 @@ def test_a_node_measures_its_own_plan_once_and_reads_it_from_the_cache_after(tmp
 @pytest.mark.parametrize("bad_rank,var,value,says", [
     (3, "FLAGOS_SHM_PLAN", "fast", "group rank 3"),
     (0, "FLAGOS_SHM_PLAN", "one_shot_max=12X", "group rank 0"),
-    (2, "FLAGOS_SHM_CMA_MIN_BYTES", "64K", "group rank 2"),
+    (2, "FLAGOS_SHM_PLAN", "single_copy=64X", "group rank 2"),
     (2, "FLAGOS_SHM_PLAN", EXPLICIT, "ranks [2] have"),
 ])
 def test_a_bad_request_on_any_node_raises_on_every_rank_at_once(bad_rank, var, value, says):

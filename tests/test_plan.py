@@ -309,26 +309,27 @@ def test_a_plan_measured_on_a_busy_machine_is_used_but_not_cached(worlds, backen
     assert not os.path.exists(tmp_path / "flagos_shm") or os.listdir(tmp_path / "flagos_shm") == []
 
 
-def legacy_threshold_through_a_calibration(cache: str):
-    return _group_plan({"FLAGOS_SHM_PLAN": "calibrate", "FLAGOS_SHM_CMA_MIN_BYTES": "4096",
+def one_threshold_for_every_single_copy(cache: str):
+    return _group_plan({"FLAGOS_SHM_PLAN": "single_copy=4096,allreduce_single_copy=32K",
                         "FLAGOS_SHM_CACHE_DIR": os.path.join(cache, "flagos_shm")})
 
 
-def test_the_legacy_threshold_holds_through_a_calibration(worlds, backend, tmp_path):
-    """``FLAGOS_SHM_CMA_MIN_BYTES`` overrides the single-copy bands of a plan that the group
-    calibrates as well as of a cached or fallback one: the calibration leaves the fallback
-    plan set, and the override was read from it afterwards, so a calibrating group ran the
-    fallback's bands (found by a fresh-eyes test, 2026-12-04)."""
+def test_one_single_copy_threshold_for_every_collective_through_the_plan(worlds, backend, tmp_path):
+    """``FLAGOS_SHM_PLAN=single_copy=N`` (what replaced ``FLAGOS_SHM_CMA_MIN_BYTES``) sets
+    every collective's single-copy band to start at N with no end, a collective's own key
+    overriding it, on every rank; the group uses it as given (no calibration, nothing
+    cached) and computes right."""
     if backend != "flagos_shm":
         pytest.skip("flagos_shm's plan")
-    for out in worlds(2).run(legacy_threshold_through_a_calibration, str(tmp_path)):
-        assert out["source"] == "calibrated" and out["correct"], out
+    for out in worlds(2).run(one_threshold_for_every_single_copy, str(tmp_path)):
+        assert out["source"] == "env" and out["correct"], out
         p = out["plan"]
         if p["allgather_single_copy_min_bytes"] is None:
             pytest.skip("process_vm_readv between the ranks is not allowed here")
         assert p["allreduce_single_copy_min_bytes"] == 8 * 4096, p
         assert all(p[k] == 4096 for k in plan.SINGLE_COPY_KEYS[1:]), p
         assert all(p[k] is None for k in plan.SINGLE_COPY_MAX_KEYS), p
+    assert not os.path.exists(tmp_path / "flagos_shm") or os.listdir(tmp_path / "flagos_shm") == []
 
 
 def explicit_and_disagreeing():
@@ -452,9 +453,9 @@ def init_rank(rank: int, world_size: int, tmp: str) -> dict:
 
 @pytest.mark.parametrize("bad_rank,var,value", [(1, "FLAGOS_SHM_PLAN", "fast"),
                                                 (0, "FLAGOS_SHM_PLAN", "one_shot_max=12X"),
-                                                (1, "FLAGOS_SHM_CMA_MIN_BYTES", "64K")])
+                                                (1, "FLAGOS_SHM_PLAN", "single_copy=64X")])
 def test_a_malformed_request_on_one_rank_raises_on_every_rank_at_once(bad_rank, var, value):
-    """FLAGOS_SHM_PLAN or FLAGOS_SHM_CMA_MIN_BYTES malformed on one rank only: every rank
+    """FLAGOS_SHM_PLAN malformed on one rank only: every rank
     raises ValueError naming the variable and that rank, at once (not at the group's
     timeout of 60 s), also when the bad rank holds the store (rank 0 under env://). (The
     bad rank raised before publishing its request: rank 0 waited for it until the

@@ -56,8 +56,7 @@ class Communicator:
 
     def __init__(self, path: str, rank: int, world_size: int, timeout_s: float,
                  peer_pids: Optional[List[int]] = None, single_copy: bool = True,
-                 single_copy_min_bytes: Optional[int] = None, stream: str = "auto",
-                 progress_batch: bool = True) -> None: ...
+                 stream: str = "auto", progress_batch: bool = True) -> None: ...
     @property
     def rank(self) -> int: ...
     @property

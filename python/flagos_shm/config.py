@@ -39,9 +39,6 @@ FLAGOS_SHM_FLIGHT_RECORDER                :func:`flight_recorder`; torch's fligh
 FLAGOS_SHM_EMULATE                        :func:`emulate`; import  ``flagos_shm.emulation.enable``
 FLAGOS_SHM_EMULATE_DEVICES                :func:`emulate_devices`; the emulator's device count
                                           ``emulation.enable()``
-FLAGOS_SHM_CMA_MIN_BYTES                  :func:`cma_min_bytes`,   the plan's agreement (checked there) and
-                                          :func:`single_copy_min_  the core (:func:`core_settings`)
-                                          bytes`; group creation
 FLAGOS_SHM_CMA, FLAGOS_SHM_STREAM,        :func:`single_copy`,     the core, as ``Communicator`` arguments
 FLAGOS_SHM_PROGRESS_BATCH                 :func:`stream_mode`,     (:func:`core_settings`)
                                           :func:`progress_batch`;
@@ -75,7 +72,6 @@ ENV_HIER_RS_MIN_BYTES = "FLAGOS_SHM_HIER_RS_MIN_BYTES"
 #: at 16 MiB (a pessimistic setting for it: its parallel Gloo steps share 2 CPUs there).
 DEFAULT_HIER_RS_MIN_BYTES = 4 << 20
 ENV_PLAN = "FLAGOS_SHM_PLAN"
-ENV_CMA_MIN_BYTES = "FLAGOS_SHM_CMA_MIN_BYTES"
 DEFAULT_DIR = "/dev/shm"
 ENV_CACHE_DIR = "FLAGOS_SHM_CACHE_DIR"
 ENV_P2P_SLOTS = "FLAGOS_SHM_P2P_SLOTS"
@@ -91,6 +87,9 @@ ENV_EMULATE_DEVICES = "FLAGOS_SHM_EMULATE_DEVICES"
 #: Settings older versions read and this one does not, with what replaced them.
 RETIRED = {
     "FLAGOS_SHM_ROUTE": "every torch (2.10 to 2.15) now uses the one per-device c10d adapter",
+    "FLAGOS_SHM_CMA_MIN_BYTES": "the single-copy thresholds are the plan's: FLAGOS_SHM_PLAN=single_copy=N "
+                                "sets every collective's to N bytes (add allreduce_single_copy=8N for what "
+                                "FLAGOS_SHM_CMA_MIN_BYTES=N did)",
 }
 
 # ---- the parsers ---------------------------------------------------------------------------
@@ -261,21 +260,6 @@ def pinned_pool_bytes() -> int:
     return _bytes_env(ENV_PINNED_POOL_BYTES, DEFAULT_PINNED_POOL_BYTES)
 
 
-def cma_min_bytes() -> str:
-    """``FLAGOS_SHM_CMA_MIN_BYTES`` as set (stripped; ``""`` when unset), checked: a value
-    that is not a 64-bit count (``64K``, ``-1``) would otherwise silently drop the plan's
-    thresholds for the core's defaults.
-
-    Raises:
-        ValueError: set to anything but an integer number of bytes in [0, 2**64).
-    """
-    raw = os.environ.get(ENV_CMA_MIN_BYTES, "").strip()
-    if raw and not (raw.isascii() and raw.isdigit() and int(raw) < 1 << 64):
-        raise ValueError(f"{ENV_CMA_MIN_BYTES}={raw!r}: expected a non-negative integer number of bytes "
-                         f"(unset: the plan's single-copy thresholds)")
-    return raw
-
-
 def retired() -> dict:
     """The retired settings (:data:`RETIRED`) that are set in the environment, with why
     they are no longer read."""
@@ -337,17 +321,6 @@ def single_copy() -> bool:
     return _flag(ENV_CMA, True)
 
 
-def single_copy_min_bytes():
-    """``FLAGOS_SHM_CMA_MIN_BYTES`` as bytes (an int), or None when unset. A malformed value
-    is None here too: :func:`cma_min_bytes` raises for it when the plan is set up, on every
-    rank at once (raising at attach, on one rank only, would leave the others waiting)."""
-    try:
-        raw = cma_min_bytes()
-    except ValueError:
-        return None
-    return int(raw) if raw else None
-
-
 def stream_mode() -> str:
     """``FLAGOS_SHM_STREAM``: how this rank first copies into its slots (``rust/stream.rs``):
     ``"plain"`` for the off words and ``never``, ``"stream"`` for ``1``, ``true``, ``yes``,
@@ -367,6 +340,5 @@ def progress_batch() -> bool:
 
 def core_settings() -> dict:
     """The keyword arguments of ``_core.Communicator`` that carry this rank's settings, read
-    now: ``single_copy``, ``single_copy_min_bytes``, ``stream``, ``progress_batch``."""
-    return {"single_copy": single_copy(), "single_copy_min_bytes": single_copy_min_bytes(),
-            "stream": stream_mode(), "progress_batch": progress_batch()}
+    now: ``single_copy``, ``stream``, ``progress_batch``."""
+    return {"single_copy": single_copy(), "stream": stream_mode(), "progress_batch": progress_batch()}

@@ -22,15 +22,14 @@ use std::time::Duration;
 /// One rank's handle on a group's shared-memory segment (see `rust/algorithms/`).
 ///
 /// `Communicator(path, rank, world_size, timeout_s, peer_pids=None, single_copy=True,
-/// single_copy_min_bytes=None, stream="auto", progress_batch=True)` maps the segment at
+/// stream="auto", progress_batch=True)` maps the segment at
 /// `path`, checks its header, waits until all `world_size` ranks attached (at most
 /// `timeout_s` seconds; `RuntimeError` at once if a rank whose process id is in
 /// `peer_pids`, a list indexed by rank with 0 for unknown, exits before attaching) and
 /// unlinks the file. The keywords are this rank's settings (`rust/group.rs`, `Settings`;
 /// the core reads no environment, `flagos_shm.config.core_settings` reads them):
-/// `single_copy` False turns single-copy transfers off for the group, `single_copy_min_bytes`
-/// (bytes; the group takes the largest) replaces the plan's single-copy thresholds, `stream`
-/// is the first `stream_mode`, `progress_batch` False keeps the progress thread off
+/// `single_copy` False turns single-copy transfers off for the group (where they are used is
+/// the plan's, `set_plan`), `stream` is the first `stream_mode`, `progress_batch` False keeps the progress thread off
 /// `SCHED_BATCH`. ValueError naming `stream` for a word other than "plain", "stream", "auto".
 ///
 /// Collectives take buffer addresses, each followed by its length in bytes, and element
@@ -201,8 +200,8 @@ macro_rules! communicator_methods {
 communicator_methods! {
     methods {
         #[new]
-        #[pyo3(signature = (path, rank, world_size, timeout_s, peer_pids=None, single_copy=true, single_copy_min_bytes=None,
-                            stream="auto", progress_batch=true))]
+        #[pyo3(signature = (path, rank, world_size, timeout_s, peer_pids=None, single_copy=true, stream="auto",
+                            progress_batch=true))]
         #[allow(clippy::too_many_arguments)]
         fn new(
             py: Python<'_>,
@@ -212,12 +211,11 @@ communicator_methods! {
             timeout_s: f64,
             peer_pids: Option<Vec<u32>>,
             single_copy: bool,
-            single_copy_min_bytes: Option<usize>,
             stream: &str,
             progress_batch: bool,
         ) -> PyResult<Self> {
             let timeout = duration("timeout_s", timeout_s)?;
-            let settings = Settings { single_copy, single_copy_min_bytes, stream: stream_mode("stream", stream)?, progress_batch };
+            let settings = Settings { single_copy, stream: stream_mode("stream", stream)?, progress_batch };
             let p = path.to_owned();
             let pending: Pending = Arc::new(Mutex::new(None));
             let hook_pending = Arc::clone(&pending);

@@ -133,8 +133,8 @@ class CollectiveBase:
 
         Raises:
             ValueError: bad ``FLAGOS_SHM_DIR`` / ``FLAGOS_SHM_SLOT_BYTES`` (on rank 0),
-                ``rank`` out of range, or a malformed or differing ``FLAGOS_SHM_PLAN`` /
-                ``FLAGOS_SHM_CMA_MIN_BYTES`` on any rank (on every rank; :func:`.plan.setup`).
+                ``rank`` out of range, or a malformed or differing ``FLAGOS_SHM_PLAN`` on
+                any rank (on every rank; :func:`.plan.setup`).
             OSError: the segment directory is too small (on rank 0).
             RuntimeError: a peer did not attach in time, exited, or rank 0 failed to create
                 the segment.

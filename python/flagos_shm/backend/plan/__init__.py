@@ -3,9 +3,9 @@ measured on this machine (see ``rust/plan.rs`` and docs/design.md, "The plan").
 
 When a group is created, its ranks agree on a plan through the group's store:
 
-1. every rank publishes what it asks for: ``FLAGOS_SHM_PLAN`` (``auto`` when unset) and
-   ``FLAGOS_SHM_CMA_MIN_BYTES``; ranks that ask for different things raise ValueError, on
-   every rank, naming the variable and the ranks;
+1. every rank publishes what it asks for: ``FLAGOS_SHM_PLAN`` (``auto`` when unset); ranks
+   that ask for different things raise ValueError, on every rank, naming the variable and
+   the ranks;
 2. the leader of each node (on one node, rank 0) resolves the request for its node: an
    explicit plan, the core's fallback, the plan cached for this machine
    (:func:`machine_key`), or "calibrate" (no cache entry, or ``FLAGOS_SHM_PLAN=calibrate``),
@@ -30,10 +30,10 @@ every rank's result is the same whichever plans the nodes hold.
 ``FLAGOS_SHM_PLAN`` values: ``auto`` (default), ``calibrate`` (measure again, start the
 cache's runs afresh), ``fallback`` (the core's built-in guess, ``_core`` :data:`FALLBACK`; what the test
 suite uses, for speed), or ``key=value`` pairs separated by commas with the keys of
-:data:`KEYS` (short names without ``_min_bytes``/``_bytes`` allowed), values in bytes with
-optional K/M/G suffix or ``never``; missing keys take the fallback's values.
-``FLAGOS_SHM_CMA_MIN_BYTES`` still overrides the single-copy thresholds (allgather,
-reduce-scatter, broadcast and all-to-all from it, allreduce from 8x it) and ``FLAGOS_SHM_CMA=0`` turns single-copy off.
+:data:`KEYS` (short names without ``_min_bytes``/``_bytes`` allowed; ``single_copy`` sets every
+collective's single-copy threshold at once, the keys of one collective then override it),
+values in bytes with optional K/M/G suffix or ``never``; missing keys take the fallback's
+values. ``FLAGOS_SHM_CMA=0`` turns single-copy off.
 The plan is logged at DEBUG level on logger ``flagos_shm``.
 
 The package, by concern (this module is the agreement, :func:`setup`, and hands every
@@ -79,8 +79,7 @@ BUSY_MARGIN = 1.0
 
 
 def _request() -> str:
-    return json.dumps({"plan": config.plan_request(),
-                       "cma_min_bytes": config.cma_min_bytes()})
+    return json.dumps({"plan": config.plan_request()})
 
 
 def setup(comm, store, layout, rank: int, world_size: int, where: str, timeout_s: float) -> Tuple[dict, str]:
@@ -102,13 +101,12 @@ def setup(comm, store, layout, rank: int, world_size: int, where: str, timeout_s
             requests and the outcome.
 
     Raises:
-        ValueError: ``FLAGOS_SHM_PLAN`` or ``FLAGOS_SHM_CMA_MIN_BYTES`` is malformed on
-            some rank, or the ranks asked for different plans: on every rank of every
-            node, naming the ranks. A malformed request is published as such, so that the
-            peers learn of it at once instead of waiting for a request that never comes;
-            and a rank leaves only once its peers have read the outcome (or at most
-            ``rendezvous.LEAVE_WAIT_S``), so that a store living in it (``TCPStore`` on
-            rank 0) outlasts their reads.
+        ValueError: ``FLAGOS_SHM_PLAN`` is malformed on some rank, or the ranks asked for
+            different plans: on every rank of every node, naming the ranks. A malformed
+            request is published as such, so that the peers learn of it at once instead of
+            waiting for a request that never comes; and a rank leaves only once its peers
+            have read the outcome (or at most ``rendezvous.LEAVE_WAIT_S``), so that a store
+            living in it (``TCPStore`` on rank 0) outlasts their reads.
         RuntimeError: a rank of the node exited (or, on a leader, a rank of another node
             on this machine whose request was still missing), a rank of the group gave up
             setting it up (``rendezvous.publish_failure``: a rank of another node that could not
@@ -117,15 +115,12 @@ def setup(comm, store, layout, rank: int, world_size: int, where: str, timeout_s
             node's ranks, which the core numbers 0, 1, ...).
     """
     base, node, local_rank, local_size = layout.base, layout.node, layout.local_rank, layout.local_size
-    # FLAGOS_SHM_CMA_MIN_BYTES' thresholds, which the core set at attach: a calibration below
-    # leaves the fallback plan set, so they are read now.
-    legacy = comm.plan
     deadline = time.monotonic() + timeout_s
     # the node's ranks: their process ids are this rank's to watch
     mates = rendezvous.watchable(layout, rank, layout.nodes[node])
     try:
-        mine = _request()  # a malformed FLAGOS_SHM_CMA_MIN_BYTES raises here
-        parse(json.loads(mine)["plan"])  # and a malformed FLAGOS_SHM_PLAN here
+        mine = _request()
+        parse(json.loads(mine)["plan"])  # a malformed FLAGOS_SHM_PLAN raises here
     except ValueError as exc:
         mine = json.dumps({"error": str(exc)})  # published instead of a request: every rank raises it
     store.set(f"{base}/plan/request/{rank}", mine)
@@ -167,8 +162,6 @@ def setup(comm, store, layout, rank: int, world_size: int, where: str, timeout_s
                        f"cached in {path}" if path else "not cached (machine busy or cache not writable)")
     else:
         plan = outcome["plan"]
-    if json.loads(mine)["cma_min_bytes"]:  # the legacy override: keep the core's thresholds
-        plan = dict(plan, **{k: legacy[k] for k in KEYS[1:]})
     _set(comm, plan)
     _log.debug("%s: plan %s (%s)", where, describe(comm.plan), source)
     return comm.plan, source
@@ -184,7 +177,7 @@ def _resolve(comm, store, base: str, world_size: int, local_size: int) -> str:
         return json.dumps({"error": "; ".join(malformed)})
     differ = [r for r, req in enumerate(requests) if req != requests[0]]
     if differ:
-        return json.dumps({"error": f"ranks disagree on {config.ENV_PLAN} / FLAGOS_SHM_CMA_MIN_BYTES: rank 0 "
+        return json.dumps({"error": f"ranks disagree on {config.ENV_PLAN}: rank 0 "
                                     f"has {parsed[0]}, ranks {differ} have "
                                     f"{[parsed[r] for r in differ]}; set the same on every rank"})
     asked = parse(parsed[0]["plan"])

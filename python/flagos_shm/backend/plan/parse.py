@@ -6,8 +6,20 @@ from ... import config
 from .keys import FALLBACK, KEYS, SINGLE_COPY_KEYS, SINGLE_COPY_MAX_KEYS, describe
 
 
+#: The shorthand key that sets every collective's single-copy band at once: ``single_copy=N``
+#: is ``<collective>_single_copy=N`` with no end (``_single_copy_max=never``) for each of
+#: :data:`SINGLE_COPY_KEYS`, before the pairs that name one collective (which override it).
+#: It replaces the retired ``FLAGOS_SHM_CMA_MIN_BYTES``.
+ALL_SINGLE_COPY = "single_copy"
+
+
 def parse(text: str):
     """``FLAGOS_SHM_PLAN`` -> ``"auto"``, ``"calibrate"``, ``"fallback"`` or a plan dict.
+
+    Explicit thresholds are ``key=value`` pairs separated by commas: the keys of
+    :data:`KEYS`, short names without ``_min_bytes``/``_bytes`` allowed, and
+    :data:`ALL_SINGLE_COPY`; values in bytes (``262144``, ``256K``, ``2M``) or ``never``.
+    Keys not given take the fallback's values.
 
     Raises:
         ValueError: unknown word or key, malformed value (the message names the variable).
@@ -21,13 +33,20 @@ def parse(text: str):
         return "fallback"
     plan = dict(FALLBACK)
     short = {k.replace("_min_bytes", "").replace("_bytes", ""): k for k in KEYS}
+    pairs = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         name, sep, value = item.partition("=")
         key = short.get(name.strip(), name.strip())
-        if not sep or key not in KEYS:
+        if not sep or key not in (*KEYS, ALL_SINGLE_COPY):
             raise ValueError(f"{config.ENV_PLAN}={text!r}: {item!r}: expected auto, calibrate, fallback or "
-                             f"key=value pairs with keys {', '.join(short)}")
-        plan[key] = config.parse_bytes(value, f"{config.ENV_PLAN}: {name.strip()}", never=True, suffix=True)
+                             f"key=value pairs with keys {', '.join(short)}, {ALL_SINGLE_COPY}")
+        pairs.append((key, config.parse_bytes(value, f"{config.ENV_PLAN}: {name.strip()}", never=True, suffix=True)))
+    for key, value in sorted(pairs, key=lambda kv: kv[0] != ALL_SINGLE_COPY):  # the shorthand first
+        if key == ALL_SINGLE_COPY:
+            plan.update(dict.fromkeys(SINGLE_COPY_KEYS, value))
+            plan.update(dict.fromkeys(SINGLE_COPY_MAX_KEYS))  # None: no end
+        else:
+            plan[key] = value
     for lo, hi in zip(SINGLE_COPY_KEYS, SINGLE_COPY_MAX_KEYS):
         if plan[lo] is not None and plan[hi] is not None and plan[hi] <= plan[lo]:
             raise ValueError(f"{config.ENV_PLAN}={text!r}: {hi}={plan[hi]} is not above {lo}={plan[lo]} (a band "
