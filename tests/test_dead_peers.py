@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from support import faults
 from support.faults import (TIMEOUT_S, error_info, fork_rank, prepare, read_json, reap, reported_step, shm_group,
-                            signal_self, steps_of, write_json)
+                            signal_self, steps_of, timed_outcome, write_json)
 from flagos_shm.backend import shm_part
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("flagos_only")]
@@ -136,13 +136,7 @@ def rank_peer_failure(tmp: str, case: dict, tag: str) -> dict:
             first_step += k
         else:
             res.update(error=None, elapsed=time.monotonic() - t0)
-        t1 = time.monotonic()
-        try:
-            pg.barrier().wait()
-            res["later"] = None
-        except Exception as exc:  # noqa: BLE001
-            res["later"] = error_info(exc)
-        res["later_s"] = time.monotonic() - t1
+        res["later"], res["later_s"] = timed_outcome(lambda: pg.barrier().wait())
         dist.barrier()  # every survivor has given up before a stopped victim is continued
     finally:
         if pool_rank == 0:

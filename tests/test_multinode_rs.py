@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from support.multinode import (GLOO_ENV, REDUCE_CASES, SPAWN_DEADLINE_S, close_enough, digest, init_group, input_of,
                                op_of, reference_of)
+from support.faults import raised
 from support.spawn import spawn
 
 ENV_RS = "FLAGOS_SHM_HIER_RS_MIN_BYTES"
@@ -124,17 +125,9 @@ def disagree_rank(rank: int, world_size: int, tmp: str) -> dict:
     init_group(rank, world_size)
     res = {}
     x = torch.ones(1 << 20)  # 4 MiB: node a takes the reduce-scatter path, node b (off) the leader path
-    try:
-        dist.all_reduce(x)
-        res["paths"] = None
-    except Exception as exc:  # noqa: BLE001
-        res["paths"] = type(exc).__name__
+    res["paths"] = raised(lambda: dist.all_reduce(x))
     y = torch.ones(1 << 20 if rank != 3 else (1 << 20) + 4)  # another count on rank 3
-    try:
-        dist.all_reduce(y)
-        res["count"] = None
-    except Exception as exc:  # noqa: BLE001
-        res["count"] = type(exc).__name__
+    res["count"] = raised(lambda: dist.all_reduce(y))
     z = torch.full((5,), float(rank))
     dist.all_reduce(z)
     res["after"] = z.tolist()

@@ -166,6 +166,26 @@ def error_info(exc: BaseException) -> dict:
     return {"type": type(exc).__name__, "message": str(exc)}
 
 
+def raised(call) -> Optional[str]:
+    """Run ``call()``; the name of the exception type it raised, or None when it returned."""
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001  the caller asserts on which one
+        return type(exc).__name__
+    return None
+
+
+def timed_outcome(call) -> tuple:
+    """Run ``call()``; ``(error_info of what it raised or None, seconds it took)``."""
+    t0 = time.monotonic()
+    try:
+        call()
+        err = None
+    except Exception as exc:  # noqa: BLE001  the caller asserts on which one
+        err = error_info(exc)
+    return err, time.monotonic() - t0
+
+
 # ---- collectives ------------------------------------------------------------------------------
 
 KINDS = ("allreduce", "allgather", "broadcast", "barrier", "reduce_scatter", "alltoall")
