@@ -8,11 +8,11 @@ from typing import Dict, List, Optional, Tuple
 from .calibrate import GRID
 from .keys import SINGLE_COPY_KEYS, SINGLE_COPY_MAX_KEYS, SINGLE_COPY_OPS
 
-#: A single-copy path is chosen where it is faster than the slots by this factor, up to a
-#: size where it is slower by more than that (:func:`_band`),
-#: and one-shot allreduce is kept only where it is faster than two-step by this factor at
-#: its size and every smaller one: near a boundary the default (slots; two-step) stays, so
-#: noise does not flip plans.
+#: A single-copy path needs a size where it is faster than the slots by this factor, and
+#: sizes where it is slower by more than that bound its band (:func:`_band`); one-shot
+#: allreduce is kept only where it is faster than two-step by this factor at its size and
+#: every smaller one. Within the margin neither counts, so one noisy figure does not flip
+#: plans.
 MARGIN = 0.85
 
 
@@ -32,11 +32,21 @@ def _band(base: List[float], alt: List[float], grid) -> Tuple[Optional[int], Opt
     """The band ``(min, max)`` of message sizes in which ``alt`` is used (bytes; ``min`` None:
     never, ``max`` None: no end), each end at the geometric middle between two measured
     sizes. The measured sizes at which ``alt`` loses clearly (slower than ``base`` by more
-    than :data:`MARGIN`) cut the grid into runs; the band starts at the first clear win
-    (faster by the margin) of the run with the most clear wins (of two with as many, the
-    one at larger sizes) and ends at the clear loss after it. Within the margin either way
-    (a tie) nothing moves: noise between calibrations only changes which of two equal
-    paths runs, and one noisy figure cannot move the band to another run.
+    than :data:`MARGIN`) cut the grid into runs; the band lies in the run with the most
+    clear wins (faster by the margin; of two runs with as many, the one at larger sizes),
+    none means never. It spans that run less the sizes at either end of it where ``alt``
+    was not faster at all: so an end of the band falls where the two paths' times cross
+    (or at a clear loss), and noise that moves it by a grid step swaps two paths of about
+    the same speed. One noisy figure cannot move the band to another run.
+
+    The ends used to be the run's first clear win and the clear loss after it. A size just
+    inside the margin then flipped between calibrations at a cost of up to 15 %, and ties
+    in which ``alt`` was slower extended the band: on the Intel Xeon 2-vCPU VM
+    (2026-12-05, quiet, calibrations minutes apart) allgather's single-copy path started
+    at 128 KiB, 512 KiB or 2 MiB (its figures 0.99, 0.85, 0.75, 0.72 and 0.76 of the
+    slots' at 64 KiB-16 MiB), so the benchmark's 1 MiB allgather took 56 or 92 us; and
+    broadcast's band ended at 2 MiB or not at all (single-copy 1.19 and 1.14 of the slots
+    at 4 and 16 MiB).
 
     Bands rather than one threshold because single-copy can win at middle sizes only: on
     the Intel Xeon VM (2026-12-04) a single-copy broadcast took 52.7 us at 1 MiB against
@@ -45,16 +55,22 @@ def _band(base: List[float], alt: List[float], grid) -> Tuple[Optional[int], Opt
     clear loss") chose the slots for every size there."""
     loses = [a * MARGIN > b for b, a in zip(base, alt)]
     wins = [a < MARGIN * b for b, a in zip(base, alt)]
+    faster = [a < b for b, a in zip(base, alt)]
     best = None  # (clear wins, first index, end index)
     start = 0
     for end in [k for k, lost in enumerate(loses) if lost] + [len(grid)]:
-        won = [k for k in range(start, end) if wins[k]]
-        if won and (best is None or len(won) >= best[0]):
-            best = (len(won), won[0], end)
+        won = sum(wins[start:end])
+        if won and (best is None or won >= best[0]):
+            best = (won, start, end)
         start = end + 1
     if best is None:
         return None, None
-    return grid[best[1]] // 2, (None if best[2] == len(grid) else grid[best[2]] // 2)
+    _, first, end = best
+    while not faster[first]:  # the run holds a clear win, so this stops inside it
+        first += 1
+    while not faster[end - 1]:
+        end -= 1
+    return grid[first] // 2, (None if end == len(grid) else grid[end] // 2)
 
 
 def _keep_below(small: List[float], large: List[float], grid) -> Optional[int]:
