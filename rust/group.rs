@@ -75,8 +75,16 @@ pub struct Communicator {
     plan: Plan,
     /// Whether every probe worked (the group can use single-copy transfers at all).
     cma_ok: bool,
+    /// Whether every rank can also write every peer's memory (`process_vm_writev`): the
+    /// single-copy broadcast's root then writes its share into the others.
+    pub(crate) cma_write_ok: bool,
+    /// What the probe found for `cma_write_ok`.
+    cma_write_probed: bool,
     /// Per-rank chunk buffers of the single-copy reductions (u64 for alignment).
     pub(crate) scratch: Vec<u64>,
+    /// The direction of this rank's last single-copy collective (`single_copy`'s `publish`
+    /// flips it at each).
+    pub(crate) backward: bool,
     /// How this rank copies into its slot: plain or streaming stores ([`crate::stream`]).
     pub(crate) streamer: crate::stream::Streamer,
     /// What the caller passed at attach.
@@ -184,11 +192,15 @@ impl Communicator {
             interrupt: None,
             plan: Plan::FALLBACK,
             cma_ok: false,
+            cma_write_ok: false,
+            cma_write_probed: false,
             scratch: Vec::new(),
+            backward: false,
             streamer: crate::stream::Streamer::new(settings.stream),
             settings,
         };
-        comm.cma_ok = comm.probe_cma()?;
+        (comm.cma_ok, comm.cma_write_probed) = comm.probe_cma()?;
+        comm.cma_write_ok = comm.cma_write_probed;
         Ok(comm)
     }
 
@@ -205,6 +217,21 @@ impl Communicator {
     /// before its next collective (see [`Self::set_plan`]); meant for tests and measurements.
     pub fn set_single_copy_min_bytes(&mut self, bytes: Option<usize>) {
         self.plan = self.plan.with_single_copy_min(bytes.unwrap_or(NEVER));
+    }
+
+    /// Lets the single-copy broadcast's root write its share into the other ranks (`true`,
+    /// the default where the probe found it possible) or not (`false`: the others read the
+    /// whole buffer, as where `process_vm_writev` is forbidden). Has no effect where the
+    /// probe found it impossible. Every rank of the group must set the same value before its
+    /// next collective; meant for tests and measurements.
+    pub fn set_single_copy_writes(&mut self, on: bool) {
+        self.cma_write_ok = on && self.cma_write_probed;
+    }
+
+    /// Whether the single-copy broadcast's root writes its share into the other ranks
+    /// ([`Self::set_single_copy_writes`]).
+    pub fn single_copy_writes(&self) -> bool {
+        self.cma_write_ok
     }
 
     /// Whether every rank can read every peer's memory (probed at attach, agreed by all;
@@ -247,7 +274,6 @@ impl Communicator {
         self.cma_ok && self.plan.band(kind).is_some_and(|b| b.contains(bytes))
     }
 
-    /// Whether an allreduce of `bytes` takes the one-shot slot algorithm.
     /// Copies `n` bytes from `src` into this rank's slot at `dst`, with the stores the
     /// streamer chose for the call in progress ([`crate::stream::Streamer`]).
     ///
@@ -267,26 +293,36 @@ impl Communicator {
         Ok(out)
     }
 
+    /// Whether a single-copy collective's local copy of `n` bytes (its own piece) uses
+    /// streaming stores: from [`crate::stream::LOCAL_MIN_BYTES`], unless the mode is
+    /// [`crate::stream::Mode::Plain`].
+    pub(crate) fn streams_local(&self, n: usize) -> bool {
+        self.streamer.mode() != crate::stream::Mode::Plain && n >= crate::stream::LOCAL_MIN_BYTES
+    }
+
+    /// Whether an allreduce of `bytes` takes the one-shot slot algorithm.
     pub(crate) fn one_shot(&self, bytes: usize) -> bool {
         self.n < 2 || bytes <= self.plan.one_shot_max
     }
 
     /// Checks, with every rank, that each can read each peer's memory: every rank
     /// publishes the address and value of a random probe word, reads every peer's word
-    /// with `process_vm_readv` and publishes whether all reads returned the right values
-    /// (which also proves the pid names the right process). Two steps of the group's
-    /// sequence; every rank gets the same answer: true when every rank read every peer's
-    /// word, false if any rank failed (or has [`Settings::single_copy`] false).
-    fn probe_cma(&mut self) -> Result<bool> {
+    /// with `process_vm_readv`, writes it back unchanged with `process_vm_writev`, and
+    /// publishes whether all reads returned the right values (which also proves the pid
+    /// names the right process) and whether all writes worked. Two steps of the group's
+    /// sequence; every rank gets the same answer, (read, write): read true when every rank
+    /// read every peer's word, false if any rank failed (or has [`Settings::single_copy`]
+    /// false); write true when, besides, every rank wrote every peer's word.
+    fn probe_cma(&mut self) -> Result<(bool, bool)> {
         use std::hash::{BuildHasher, Hasher};
         if self.n == 1 {
-            return Ok(false);
+            return Ok((false, false));
         }
         let word = Box::new(std::collections::hash_map::RandomState::new().build_hasher().finish() | 1);
         let seg = Arc::clone(&self.seg);
         sync::publish_probe(&seg, self.rank, &*word as *const u64 as u64, *word);
         self.sync(None)?;
-        let mut ok = self.settings.single_copy;
+        let (mut ok, mut write_ok) = (self.settings.single_copy, true);
         for q in (0..self.n).filter(|&q| q != self.rank) {
             if !ok {
                 break;
@@ -295,10 +331,18 @@ impl Communicator {
             let mut got = 0u64;
             // SAFETY: `got` is a local u64, valid for 8 bytes of writes.
             ok = unsafe { cma::read(pid, addr, &mut got as *mut u64 as *mut u8, 8) }.is_ok() && got == expect;
+            // The broadcast's root writes into its peers (`process_vm_writev`): the same
+            // permission as reading, but a seccomp filter may allow one and not the other.
+            // Writing the word's own value back leaves it as its readers expect.
+            // SAFETY: `got` is readable for 8 bytes; rank q published its word to be read
+            // and (with its own value) written.
+            write_ok =
+                write_ok && ok && unsafe { cma::transfer(cma::Way::Write, pid, addr, &mut got as *mut u64 as *mut u8, 8, false) }.is_ok();
         }
-        sync::publish_cma(&seg, self.rank, ok);
+        sync::publish_cma(&seg, self.rank, ok, ok && write_ok);
         self.sync(None)?;
-        let agreed = (0..self.n).all(|q| sync::read_cma(&seg, q));
+        let verdicts: Vec<(bool, bool)> = (0..self.n).map(|q| sync::read_cma(&seg, q)).collect();
+        let agreed = (verdicts.iter().all(|v| v.0), verdicts.iter().all(|v| v.0 && v.1));
         drop(word); // every peer has read it: they all passed the second step
         Ok(agreed)
     }

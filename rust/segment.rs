@@ -110,7 +110,8 @@ pub struct RankCtrl {
     /// The value of the rank's probe word, which peers read through `process_vm_readv` at
     /// attach to check that single-copy transfers work and reach the right process.
     pub probe: AtomicU64,
-    /// Result of this rank's probe of every peer: 0 not yet, 1 every read worked, 2 not.
+    /// Result of this rank's probe of every peer: 0 not yet, 1 every read and every
+    /// write worked, 3 every read but not every write, 2 not every read.
     pub cma: AtomicU64,
     _pad0: [u8; LINE - 40],
     /// Descriptors of the collective this rank is in, indexed by step parity.

@@ -5,13 +5,32 @@
 //! goes through the segment's slots.
 
 use crate::algorithms::{slice_bounds, CMA_CHUNK_BYTES};
-use crate::cma;
+use crate::cma::{self, Way};
 use crate::desc::{Desc, Kind};
 use crate::error::{Error, Result};
 use crate::group::Communicator;
 use crate::reduce::{reduce_raw, Reduction};
 use crate::sync;
 use std::ptr::copy_nonoverlapping;
+
+/// Ranks `0..n`, or `n-1` down to 0 (`backward`).
+fn order(n: usize, backward: bool) -> Box<dyn Iterator<Item = usize>> {
+    if backward {
+        Box::new((0..n).rev())
+    } else {
+        Box::new(0..n)
+    }
+}
+
+/// Reads `len` bytes of process `peer.0` at `peer.1` into `local`, front to back or
+/// (`backward`) back to front ([`cma::transfer`]).
+///
+/// # Safety
+/// As [`cma::read`].
+unsafe fn read(backward: bool, peer: (u32, u64), local: *mut u8, len: usize) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { cma::transfer(Way::Read, peer.0, peer.1, local, len, backward) }
+}
 
 /// Prefixes a single-copy read error with the peer rank it was reading from.
 fn of_rank(q: usize, e: Error) -> Error {
@@ -24,7 +43,12 @@ fn of_rank(q: usize, e: Error) -> Error {
 impl Communicator {
     /// Publishes `addr` for peers, runs the descriptor step and returns every rank's
     /// (pid, address).
+    ///
+    /// Also flips this rank's direction (`backward`): each single-copy collective goes
+    /// through its transfers in the opposite order of the one before (`cma::transfer`
+    /// says why).
     fn publish(&mut self, addr: *const u8, d: &Desc) -> Result<Vec<(u32, u64)>> {
+        self.backward = !self.backward;
         sync::publish_addr(&self.seg, self.rank, addr as u64);
         self.sync(Some(d))?;
         Ok(sync::peer_addrs(&self.seg))
@@ -157,14 +181,21 @@ impl Communicator {
     /// `input` as this rank's piece), untouched by anything else during the call.
     pub(crate) unsafe fn allgather_single_copy(&mut self, input: *const u8, output: *mut u8, bytes: usize, d: &Desc) -> Result<()> {
         let peers = self.publish(input, d)?;
+        let (n, me, back) = (self.n, self.rank, self.backward);
+        let stream = self.streams_local(bytes);
         // SAFETY: the destination is this rank's piece of `output`; it may be `input`
-        // itself (in-place allgather), hence `copy`.
-        unsafe { std::ptr::copy(input, output.add(self.rank * bytes), bytes) };
-        let (n, me) = (self.n, self.rank);
-        for q in (0..n).filter(|&q| q != me) {
+        // itself (in-place allgather), which `copy_local` allows.
+        let own = || unsafe { cma::copy_local(input, output.add(me * bytes), bytes, back, stream) };
+        if !back {
+            own();
+        }
+        for q in order(n, back).filter(|&q| q != me) {
             // SAFETY: piece q of `output` is inside it and ours to write.
-            let r = unsafe { cma::read(peers[q].0, peers[q].1, output.add(q * bytes), bytes) }.map_err(|e| of_rank(q, e));
+            let r = unsafe { read(back, peers[q], output.add(q * bytes), bytes) }.map_err(|e| of_rank(q, e));
             self.fail_midway(Kind::Allgather, r)?;
+        }
+        if back {
+            own();
         }
         self.sync(None)
     }
@@ -192,19 +223,73 @@ impl Communicator {
         self.sync(None)
     }
 
-    /// Single-copy broadcast: every rank but the root reads the root's buffer into its
-    /// own; the root only publishes its address and waits until all have read.
+    /// Single-copy broadcast, the root helping: the buffer is cut into `n` slices of whole
+    /// 64-byte lines; each rank q but the root reads every slice but slice q from the root,
+    /// while the root writes slice q into each of them (`process_vm_writev`). Every rank,
+    /// the root included, moves (n - 1) / n of the message instead of the root waiting while
+    /// the others move all of it: at world size 2 each side copies half, at the same time.
+    /// A last step keeps every buffer untouched until all transfers into or from it are done.
+    ///
+    /// On the Intel Xeon 2-vCPU VM (Sapphire Rapids class, 2 MiB L2 per core; 2026-12-05,
+    /// ranks pinned, medians of interleaved rounds of 200 calls) a 1 MiB broadcast took
+    /// 45-50 us at the core (`Communicator::broadcast`) with the non-root reading it all and
+    /// 20.5 us with the root writing half: each core moves half, and each core's lines
+    /// (half the source, half the destination) now fit its L2 beside what the caller's
+    /// Python touches between calls; through `dist.broadcast` 58 -> 26 us.
     ///
     /// # Safety
     /// `buf` readable for `bytes` on the root and writable elsewhere, untouched by
     /// anything else during the call.
     pub(crate) unsafe fn broadcast_single_copy(&mut self, buf: *mut u8, bytes: usize, root: usize, d: &Desc) -> Result<()> {
         let peers = self.publish(buf, d)?;
-        if self.rank != root {
-            // SAFETY: `buf` is ours to write for `bytes`.
-            let r = unsafe { cma::read(peers[root].0, peers[root].1, buf, bytes) }.map_err(|e| of_rank(root, e));
-            self.fail_midway(Kind::Broadcast, r)?;
-        }
+        let (n, me, back) = (self.n, self.rank, self.backward);
+        let lines = bytes.div_ceil(64);
+        let slice = |q: usize| {
+            let (a, b) = slice_bounds(lines, n, q);
+            ((a * 64).min(bytes), (b * 64).min(bytes))
+        };
+        // Without `process_vm_writev` (the probe found a rank that may not write a peer's
+        // memory) the root only waits and the others read the whole buffer.
+        let helped = self.cma_write_ok;
+        let slice = |q: usize| if helped { slice(q) } else { (0, 0) };
+        let r = if me == root {
+            let mut r = Ok(());
+            for q in order(n, back).filter(|&q| q != root) {
+                let (a, b) = slice(q);
+                if a == b {
+                    continue;
+                }
+                let (pid, addr) = peers[q];
+                // SAFETY: [a, b) lies inside `buf`, which we only read; rank q published
+                // its buffer for `bytes` bytes (every rank agreed on the length) to be
+                // written here, and writes no byte of slice q itself.
+                r = unsafe { cma::transfer(Way::Write, pid, addr.wrapping_add(a as u64), buf.add(a), b - a, back) }
+                    .map_err(|e| of_rank(q, e));
+                if r.is_err() {
+                    break;
+                }
+            }
+            r
+        } else {
+            // What this rank reads: everything but its own slice, in at most two ranges.
+            let (a, b) = slice(me);
+            let mut ranges = [(0, a), (b, bytes)];
+            if back {
+                ranges.reverse();
+            }
+            let (pid, addr) = peers[root];
+            let mut r = Ok(());
+            for (x, y) in ranges.into_iter().filter(|(x, y)| x < y) {
+                // SAFETY: [x, y) lies inside `buf`, ours to write; the root writes only
+                // [a, b), which this range leaves out.
+                r = unsafe { read(back, (pid, addr.wrapping_add(x as u64)), buf.add(x), y - x) }.map_err(|e| of_rank(root, e));
+                if r.is_err() {
+                    break;
+                }
+            }
+            r
+        };
+        self.fail_midway(Kind::Broadcast, r)?;
         self.sync(None)
     }
 
@@ -223,16 +308,24 @@ impl Communicator {
         d: &Desc,
     ) -> Result<()> {
         let peers = self.publish(input, d)?;
-        let (n, me, piece) = (self.n, self.rank, count * es);
+        let (n, me, piece, back) = (self.n, self.rank, count * es, self.backward);
+        let stream = self.streams_local(piece);
         // SAFETY: piece `me` of `input` and of `output` lie inside them (n * piece bytes
         // each) and do not overlap (the contract).
-        unsafe { copy_nonoverlapping(input.add(me * piece), output.add(me * piece), piece) };
-        for q in (0..n).filter(|&q| q != me) {
+        let own = || unsafe { cma::copy_local(input.add(me * piece), output.add(me * piece), piece, back, stream) };
+        if !back {
+            own();
+        }
+        for q in order(n, back).filter(|&q| q != me) {
+            let (pid, addr) = peers[q];
             // SAFETY: piece q of `output` is inside it and ours to write; the source is
             // piece `me` of rank q's input, which rank q published for n * piece bytes.
-            let r = unsafe { cma::read(peers[q].0, peers[q].1.wrapping_add((me * piece) as u64), output.add(q * piece), piece) }
+            let r = unsafe { read(back, (pid, addr.wrapping_add((me * piece) as u64)), output.add(q * piece), piece) }
                 .map_err(|e| of_rank(q, e));
             self.fail_midway(Kind::Alltoall, r)?;
+        }
+        if back {
+            own();
         }
         self.sync(None)
     }

@@ -40,6 +40,16 @@ pub enum Mode {
     Auto,
 }
 
+/// A single-copy allgather's or all-to-all's copy of its own piece (from its input into its
+/// output, in this process) uses streaming stores from this many bytes on, in modes
+/// [`Mode::Auto`] and [`Mode::Stream`] (`crate::group::Communicator::streams_local`): the
+/// output is far larger than the L2 then, so a plain store's read-for-ownership only adds
+/// memory traffic. On the Intel Xeon 2-vCPU VM (Sapphire Rapids class, 2026-12-05, two
+/// ranks pinned, median of four interleaved rounds) streaming took a 64 MiB
+/// `all_gather_into_tensor` from 8826 to 7936 us and a 64 MiB `all_to_all_single` from
+/// 10513 to 8898 us (32 MiB pieces); at 16 MiB (8 MiB pieces) the two kinds were within
+/// 3 % either way, so the threshold sits between them. Not measured on the AMD EPYC VM.
+pub const LOCAL_MIN_BYTES: usize = 16 << 20;
 /// Copies into a slot smaller than this stay plain in every mode (a few lines).
 pub const MIN_BYTES: usize = 4 << 10;
 /// In [`Mode::Auto`], calls moving fewer bytes than this (S, as the plan counts them)

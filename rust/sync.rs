@@ -299,14 +299,26 @@ pub fn read_probe(seg: &Segment, q: usize) -> (u32, u64, u64) {
     (c.pid.load(Ordering::Relaxed), c.addr.load(Ordering::Relaxed), c.probe.load(Ordering::Relaxed))
 }
 
-/// Publishes whether this rank read every peer's probe word (Relaxed; ordered by `arrive`):
-/// 1 yes, 2 no (the field's values, `segment::Ctrl::cma`).
-pub fn publish_cma(seg: &Segment, rank: usize, ok: bool) {
-    seg.ctrl(rank).cma.store(if ok { 1 } else { 2 }, Ordering::Relaxed);
+/// Publishes whether this rank read every peer's probe word, and whether it could also
+/// write every peer's (Relaxed; ordered by `arrive`): 1 both, 3 read only, 2 neither (the
+/// field's values, `segment::Ctrl::cma`).
+pub fn publish_cma(seg: &Segment, rank: usize, read: bool, write: bool) {
+    seg.ctrl(rank).cma.store(
+        match (read, write) {
+            (true, true) => 1,
+            (true, false) => 3,
+            _ => 2,
+        },
+        Ordering::Relaxed,
+    );
 }
 
-/// Rank `q`'s published single-copy verdict, after `wait_all` for its step (0, not yet
-/// published, reads as no).
-pub fn read_cma(seg: &Segment, q: usize) -> bool {
-    seg.ctrl(q).cma.load(Ordering::Relaxed) == 1
+/// Rank `q`'s published single-copy verdict, (read, write), after `wait_all` for its step
+/// (0, not yet published, reads as neither).
+pub fn read_cma(seg: &Segment, q: usize) -> (bool, bool) {
+    match seg.ctrl(q).cma.load(Ordering::Relaxed) {
+        1 => (true, true),
+        3 => (true, false),
+        _ => (false, false),
+    }
 }

@@ -899,3 +899,103 @@ fn progress_close_while_an_inline_call_runs_returns() {
     peer.join().unwrap();
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn single_copy_collectives_are_exact_in_both_directions_at_odd_sizes_past_a_piece() {
+    // The single-copy broadcast (the root writes slice q into each rank q while the others
+    // read the rest), allgather and all-to-all alternate their order call by call (front to
+    // back, then in 256 KiB pieces from the last: `cma::transfer`). Each size runs twice in a
+    // row, so both orders are checked, at counts that cut neither the pieces nor the
+    // broadcast's 64-byte slices evenly, against per-element formulas.
+    // Without `process_vm_writev` (`set_single_copy_writes(false)`) the root of the
+    // broadcast only waits and the others read everything.
+    let dtype = DType::I32;
+    for (n, writes) in (2..=4usize).flat_map(|n| [(n, true), (n, false)]) {
+        let results = with_group(n, SLOT, move |rank, c| {
+            let mut bad = Vec::new();
+            c.set_single_copy_min_bytes(Some(1));
+            if c.single_copy_min_bytes().is_none() || !c.single_copy_writes() {
+                return vec!["single-copy reads or writes unavailable".to_string()];
+            }
+            c.set_single_copy_writes(writes);
+            let v = |r: usize, i: usize| (r * 10_000_000 + i) as f64;
+            for (k, count) in [65_536usize + 5, 300_001, 1_000_003].into_iter().enumerate() {
+                for call in 0..2 {
+                    let es = dtype.size();
+                    let enc = |vals: Vec<f64>| aligned_buf(dtype, &vals);
+                    let dec = |w: &Vec<u64>, m: usize| decode(dtype, &bytes_of(w)[..m * es]);
+                    let root = (k + call) % n;
+                    let mut b = enc((0..count).map(|i| if rank == root { v(root, i) } else { -1.0 }).collect());
+                    // SAFETY: `b` holds `count` elements, 8-byte aligned.
+                    c.broadcast(Buf::from_elems_mut(&mut b), count, dtype, root).unwrap();
+                    if dec(&b, count) != (0..count).map(|i| v(root, i)).collect::<Vec<_>>() {
+                        bad.push(format!("broadcast count={count} call={call} root={root}"));
+                    }
+                    let input = enc((0..count).map(|i| v(rank, i)).collect());
+                    let mut out = vec![0u64; (n * count * es).div_ceil(8)];
+                    // SAFETY: sizes as documented, buffers 8-byte aligned.
+                    c.allgather(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), count, dtype).unwrap();
+                    if dec(&out, n * count) != (0..n).flat_map(|r| (0..count).map(move |i| v(r, i))).collect::<Vec<_>>() {
+                        bad.push(format!("allgather count={count} call={call}"));
+                    }
+                    let piece = count / n + 1;
+                    let src = enc((0..n * piece).map(|i| v(rank, i)).collect());
+                    let mut o = vec![0u64; (n * piece * es).div_ceil(8)];
+                    // SAFETY: as above.
+                    c.alltoall(Buf::from_elems(&src), Buf::from_elems_mut(&mut o), piece, dtype).unwrap();
+                    let want: Vec<f64> = (0..n).flat_map(|q| (0..piece).map(move |i| v(q, rank * piece + i))).collect();
+                    if dec(&o, n * piece) != want {
+                        bad.push(format!("alltoall piece={piece} call={call}"));
+                    }
+                }
+            }
+            bad
+        });
+        for (r, bad) in results.iter().enumerate() {
+            assert!(bad.is_empty(), "n={n} writes={writes} rank {r}: {bad:?}");
+        }
+    }
+}
+
+#[test]
+fn single_copy_own_pieces_past_the_streaming_threshold_are_exact_in_every_store_mode() {
+    // An allgather's and an all-to-all's own piece of at least `stream::LOCAL_MIN_BYTES` is
+    // copied with streaming stores (unless the mode is plain), front to back or from the
+    // last 256 KiB piece: two calls per mode, so both orders, at a piece size that is not a
+    // multiple of 64 bytes, against per-element formulas.
+    use flagos_shm::stream::{Mode, LOCAL_MIN_BYTES};
+    let dtype = DType::I32;
+    let count = LOCAL_MIN_BYTES / 4 + 5;
+    let results = with_group(2, SLOT, move |rank, c| {
+        let mut bad = Vec::new();
+        c.set_single_copy_min_bytes(Some(1));
+        if c.single_copy_min_bytes().is_none() {
+            return vec!["single-copy transfers unavailable".to_string()];
+        }
+        let v = |r: usize, i: usize| (r * 100_000_000 + i) as f64;
+        let input = aligned_buf(dtype, &(0..2 * count).map(|i| v(rank, i)).collect::<Vec<_>>());
+        for mode in [Mode::Plain, Mode::Auto, Mode::Stream] {
+            c.set_stream_mode(mode);
+            for call in 0..2 {
+                let mut out = vec![0u64; (2 * count * 4).div_ceil(8)];
+                // SAFETY: `input` holds 2 * count elements, `out` as many; 8-byte aligned.
+                c.allgather(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), count, dtype).unwrap();
+                let got = decode(dtype, &bytes_of(&out)[..2 * count * 4]);
+                if got != (0..2).flat_map(|r| (0..count).map(move |i| v(r, i))).collect::<Vec<_>>() {
+                    bad.push(format!("allgather {mode:?} call={call}"));
+                }
+                let mut out = vec![0u64; (2 * count * 4).div_ceil(8)];
+                // SAFETY: as above.
+                c.alltoall(Buf::from_elems(&input), Buf::from_elems_mut(&mut out), count, dtype).unwrap();
+                let got = decode(dtype, &bytes_of(&out)[..2 * count * 4]);
+                if got != (0..2).flat_map(|q| (0..count).map(move |i| v(q, rank * count + i))).collect::<Vec<_>>() {
+                    bad.push(format!("alltoall {mode:?} call={call}"));
+                }
+            }
+        }
+        bad
+    });
+    for (r, bad) in results.iter().enumerate() {
+        assert!(bad.is_empty(), "rank {r}: {bad:?}");
+    }
+}
