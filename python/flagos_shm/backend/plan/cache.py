@@ -25,8 +25,10 @@ _log = logging.getLogger("flagos_shm")
 #: rewritten allgather input; 5: the single-copy rule of _switch() (a tie at a larger size
 #: no longer vetoes a clear win); 6: broadcast and all-to-all measured (single-copy paths),
 #: single-copy bands (a min and a max per collective); 7: a band's ends where the paths'
-#: times cross (:func:`~.decide._band`), so plans decided by the rule before are measured again.
-CACHE_SCHEMA = 7
+#: times cross (:func:`~.decide._band`), so plans decided by the rule before are measured again;
+#: 8: the single-copy broadcast's root writes a slice into each peer and single-copy transfers
+#: alternate their order (both faster), so broadcast's band is measured again.
+CACHE_SCHEMA = 8
 #: A machine's plan is settled after this many calibrations, each taken at the first group
 #: created at least :data:`RUN_GAP_S` after the previous one, their figures merged
 #: (:func:`merge`). One calibration can fall into one of the VM's slow phases: on the AMD
