@@ -903,12 +903,14 @@ fn progress_close_while_an_inline_call_runs_returns() {
 #[test]
 fn single_copy_collectives_are_exact_in_both_directions_at_odd_sizes_past_a_piece() {
     // The single-copy broadcast (the root writes slice q into each rank q while the others
-    // read the rest), allgather and all-to-all alternate their order call by call (front to
+    // read the rest), allreduce (each rank writes its reduced slice into the others),
+    // allgather and all-to-all alternate their order call by call (front to
     // back, then in 256 KiB pieces from the last: `cma::transfer`). Each size runs twice in a
     // row, so both orders are checked, at counts that cut neither the pieces nor the
     // broadcast's 64-byte slices evenly, against per-element formulas.
     // Without `process_vm_writev` (`set_single_copy_writes(false)`) the root of the
-    // broadcast only waits and the others read everything.
+    // broadcast only waits and the others read everything, and the allreduce's ranks read
+    // the reduced slices.
     let dtype = DType::I32;
     for (n, writes) in (2..=4usize).flat_map(|n| [(n, true), (n, false)]) {
         let results = with_group(n, SLOT, move |rank, c| {
@@ -924,6 +926,13 @@ fn single_copy_collectives_are_exact_in_both_directions_at_odd_sizes_past_a_piec
                     let es = dtype.size();
                     let enc = |vals: Vec<f64>| aligned_buf(dtype, &vals);
                     let dec = |w: &Vec<u64>, m: usize| decode(dtype, &bytes_of(w)[..m * es]);
+                    // allreduce: the owners write their reduced slices into the others
+                    let mut x = enc((0..count).map(|i| v(rank, i)).collect());
+                    // SAFETY: `x` holds `count` elements, 8-byte aligned.
+                    c.allreduce(Buf::from_elems_mut(&mut x), count, dtype, ReduceOp::Sum, 1.0).unwrap();
+                    if dec(&x, count) != (0..count).map(|i| (0..n).map(|r| v(r, i)).sum()).collect::<Vec<f64>>() {
+                        bad.push(format!("allreduce count={count} call={call}"));
+                    }
                     let root = (k + call) % n;
                     let mut b = enc((0..count).map(|i| if rank == root { v(root, i) } else { -1.0 }).collect());
                     // SAFETY: `b` holds `count` elements, 8-byte aligned.

@@ -26,8 +26,9 @@ _log = logging.getLogger("flagos_shm")
 #: no longer vetoes a clear win); 6: broadcast and all-to-all measured (single-copy paths),
 #: single-copy bands (a min and a max per collective); 7: a band's ends where the paths'
 #: times cross (:func:`~.decide._band`), so plans decided by the rule before are measured again;
-#: 8: the single-copy broadcast's root writes a slice into each peer and single-copy transfers
-#: alternate their order (both faster), so broadcast's band is measured again.
+#: 8: the single-copy broadcast's root writes a slice into each peer, the single-copy allreduce's
+#: ranks write their reduced slices into the others, and single-copy transfers alternate their
+#: order (all faster), so the bands are measured again.
 CACHE_SCHEMA = 8
 #: A machine's plan is settled after this many calibrations, each taken at the first group
 #: created at least :data:`RUN_GAP_S` after the previous one, their figures merged
