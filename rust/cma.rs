@@ -4,8 +4,9 @@
 //!
 //! A rank reads a peer's buffer straight from the peer's address space into its own (or,
 //! in a broadcast's root, writes its buffer into a peer's), so a byte crosses between
-//! processes with one copy instead of two (into a shared segment, then out of it). The kernel allows it between processes of the same user when ptrace
-//! would be allowed (`PTRACE_MODE_ATTACH_REALCREDS`); Yama's `ptrace_scope` >= 1 or a
+//! processes with one copy instead of two (into a shared segment, then out of it). The
+//! kernel allows it between processes of the same user when ptrace would be allowed
+//! (`PTRACE_MODE_ATTACH_REALCREDS`); Yama's `ptrace_scope` >= 1 or a
 //! seccomp profile can forbid it. The communicator therefore probes every peer when the
 //! group is set up (see `Communicator::attach_with`) and all ranks use single-copy
 //! collectives only if every probe worked; otherwise the slot path is used. A rank whose
@@ -83,6 +84,7 @@ pub unsafe fn transfer(way: Way, pid: u32, remote: u64, local: *mut u8, len: usi
             return Ok(());
         }
     }
+    let what = if way == Way::Read { "process_vm_readv" } else { "process_vm_writev" };
     let mut done = 0usize;
     while done < len {
         // SAFETY: done < len, so the offset stays inside the caller's `len` bytes.
@@ -91,7 +93,6 @@ pub unsafe fn transfer(way: Way, pid: u32, remote: u64, local: *mut u8, len: usi
         // SAFETY: `l` describes memory the caller lets us use this way; the kernel
         // validates `r` against process `pid`'s mappings and fails rather than going elsewhere.
         let n = unsafe { vm_copy(way, pid, &[l], &[r]) };
-        let what = if way == Way::Read { "process_vm_readv" } else { "process_vm_writev" };
         if n < 0 {
             let e = std::io::Error::last_os_error();
             match e.raw_os_error() {

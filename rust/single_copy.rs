@@ -1,8 +1,9 @@
-//! The single-copy collectives (`process_vm_readv`, see `cma`): allreduce, allgather,
-//! reduce-scatter, broadcast and all-to-all of large messages. Each publishes the address
-//! of its buffer with the descriptor step, then reads the peers' buffers straight from their processes; a last
-//! step keeps every buffer untouched until all peers have finished reading it. Nothing
-//! goes through the segment's slots.
+//! The single-copy collectives (`process_vm_readv` and `process_vm_writev`, see `cma`):
+//! allreduce, allgather, reduce-scatter, broadcast and all-to-all of large messages. Each
+//! publishes the address of its buffer with the descriptor step, then reads the peers'
+//! buffers straight from their processes (the broadcast's root and the allreduce's second
+//! phase write into them instead); a last step keeps every buffer untouched until all
+//! transfers into or from it are done. Nothing goes through the segment's slots.
 
 use crate::algorithms::{slice_bounds, CMA_CHUNK_BYTES};
 use crate::cma::{self, Way};
@@ -14,12 +15,8 @@ use crate::sync;
 use std::ptr::copy_nonoverlapping;
 
 /// Ranks `0..n`, or `n-1` down to 0 (`backward`).
-fn order(n: usize, backward: bool) -> Box<dyn Iterator<Item = usize>> {
-    if backward {
-        Box::new((0..n).rev())
-    } else {
-        Box::new(0..n)
-    }
+fn order(n: usize, backward: bool) -> impl Iterator<Item = usize> {
+    (0..n).map(move |i| if backward { n - 1 - i } else { i })
 }
 
 /// Reads `len` bytes of process `peer.0` at `peer.1` into `local`, front to back or
@@ -263,33 +260,21 @@ impl Communicator {
     pub(crate) unsafe fn broadcast_single_copy(&mut self, buf: *mut u8, bytes: usize, root: usize, d: &Desc) -> Result<()> {
         let peers = self.publish(buf, d)?;
         let (n, me, back) = (self.n, self.rank, self.backward);
-        let lines = bytes.div_ceil(64);
+        // Without `process_vm_writev` (the probe found a rank that may not write a peer's
+        // memory) every slice is empty: the root only waits and the others read everything.
+        let (lines, helped) = (bytes.div_ceil(64), self.cma_write_ok);
         let slice = |q: usize| {
-            let (a, b) = slice_bounds(lines, n, q);
+            let (a, b) = if helped { slice_bounds(lines, n, q) } else { (0, 0) };
             ((a * 64).min(bytes), (b * 64).min(bytes))
         };
-        // Without `process_vm_writev` (the probe found a rank that may not write a peer's
-        // memory) the root only waits and the others read the whole buffer.
-        let helped = self.cma_write_ok;
-        let slice = |q: usize| if helped { slice(q) } else { (0, 0) };
         let r = if me == root {
-            let mut r = Ok(());
-            for q in order(n, back).filter(|&q| q != root) {
-                let (a, b) = slice(q);
-                if a == b {
-                    continue;
-                }
+            order(n, back).filter(|&q| q != root).map(|q| (q, slice(q))).filter(|&(_, (a, b))| a < b).try_for_each(|(q, (a, b))| {
                 let (pid, addr) = peers[q];
                 // SAFETY: [a, b) lies inside `buf`, which we only read; rank q published
                 // its buffer for `bytes` bytes (every rank agreed on the length) to be
                 // written here, and writes no byte of slice q itself.
-                r = unsafe { cma::transfer(Way::Write, pid, addr.wrapping_add(a as u64), buf.add(a), b - a, back) }
-                    .map_err(|e| of_rank(q, e));
-                if r.is_err() {
-                    break;
-                }
-            }
-            r
+                unsafe { cma::transfer(Way::Write, pid, addr.wrapping_add(a as u64), buf.add(a), b - a, back) }.map_err(|e| of_rank(q, e))
+            })
         } else {
             // What this rank reads: everything but its own slice, in at most two ranges.
             let (a, b) = slice(me);
@@ -298,16 +283,11 @@ impl Communicator {
                 ranges.reverse();
             }
             let (pid, addr) = peers[root];
-            let mut r = Ok(());
-            for (x, y) in ranges.into_iter().filter(|(x, y)| x < y) {
+            ranges.into_iter().filter(|&(x, y)| x < y).try_for_each(|(x, y)| {
                 // SAFETY: [x, y) lies inside `buf`, ours to write; the root writes only
                 // [a, b), which this range leaves out.
-                r = unsafe { read(back, (pid, addr.wrapping_add(x as u64)), buf.add(x), y - x) }.map_err(|e| of_rank(root, e));
-                if r.is_err() {
-                    break;
-                }
-            }
-            r
+                unsafe { read(back, (pid, addr.wrapping_add(x as u64)), buf.add(x), y - x) }.map_err(|e| of_rank(root, e))
+            })
         };
         self.fail_midway(Kind::Broadcast, r)?;
         self.sync(None)
