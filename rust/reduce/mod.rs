@@ -349,6 +349,14 @@ unsafe fn reduce_with<T: Elem>(
 /// without a pre- or post-step (SUM, PRODUCT, MIN, MAX): combines straight into `dst`,
 /// one pass per source, with no conversion buffers. Same results as `reduce_with`.
 ///
+/// Each pass runs on slices ([`combine`]). Over raw pointers the compiler vectorized the
+/// loop behind a run-time overlap check, which an in-place call (`dst` equal to `srcs[0]`
+/// or `srcs[1]`, as the single-copy reductions make it) fails, so the loop ran one element
+/// at a time: on the Intel Xeon 2-vCPU VM (Sapphire Rapids class, 2026-12-05) the
+/// single-copy allreduce's in-place reduction of a 32 MiB float32 slice took 7.7 ms (SUM;
+/// MAX 11.4), about 1 ns per element, and the whole 64 MiB allreduce 11.9 ms against 8.2
+/// on slices.
+///
 /// # Safety
 /// As [`reduce_with`]; `dst` may equal `srcs[0]` or `srcs[1]` exactly (the first pass
 /// reads both before it writes an element), not a later source, which the later passes
@@ -364,23 +372,41 @@ unsafe fn reduce_direct<T: Copy>(dst: *mut T, srcs: &[*const T], len: usize, com
             // SAFETY: b elements in bounds; `copy` tolerates d == s0.
             unsafe { std::ptr::copy(s0, d, b) };
         } else {
-            // SAFETY: as for `s0`.
-            let s1 = unsafe { srcs[1].add(start) };
-            for i in 0..b {
-                // SAFETY: i < b, in bounds of every buffer; element i of every source is
-                // read before element i of dst is written.
-                unsafe { *d.add(i) = comb(*s0.add(i), *s1.add(i)) };
-            }
+            // SAFETY: as for `s0`; b elements of each lie inside the caller's buffers.
+            unsafe { combine(d, s0, srcs[1].add(start), b, &comb) };
             for src in &srcs[2..] {
-                // SAFETY: as for `s0`.
-                let s = unsafe { src.add(start) };
-                for i in 0..b {
-                    // SAFETY: as above.
-                    unsafe { *d.add(i) = comb(*d.add(i), *s.add(i)) };
-                }
+                // SAFETY: as above; `src` is not `dst` (the contract), and `combine` reads
+                // element i of `d` before writing it.
+                unsafe { combine(d, d, src.add(start), b, &comb) };
             }
         }
         start += b;
+    }
+}
+
+/// `d[i] = comb(a[i], b[i])` for `i < len`, on slices, so the loop is vectorized without a
+/// run-time overlap check.
+///
+/// # Safety
+/// `a` and `b` readable and `d` writable for `len` elements; each of `a` and `b` is `d`
+/// itself or does not overlap it ([`reduce_raw`]'s contract).
+#[inline(always)]
+unsafe fn combine<T: Copy>(d: *mut T, a: *const T, b: *const T, len: usize, comb: &impl Fn(T, T) -> T) {
+    let same = |p: *const T| std::ptr::eq(p, d);
+    // SAFETY: (each arm) every slice covers `len` elements of the caller's buffers; a
+    // source equal to `d` is read through the `&mut` slice only, and the others do not
+    // overlap it (the contract), so no shared slice aliases the `&mut` one.
+    unsafe {
+        let d = std::slice::from_raw_parts_mut(d, len);
+        match (same(a), same(b)) {
+            (true, true) => d.iter_mut().for_each(|x| *x = comb(*x, *x)),
+            (true, false) => d.iter_mut().zip(std::slice::from_raw_parts(b, len)).for_each(|(x, y)| *x = comb(*x, *y)),
+            (false, true) => d.iter_mut().zip(std::slice::from_raw_parts(a, len)).for_each(|(x, y)| *x = comb(*y, *x)),
+            (false, false) => {
+                let (a, b) = (std::slice::from_raw_parts(a, len), std::slice::from_raw_parts(b, len));
+                d.iter_mut().zip(a.iter().zip(b)).for_each(|(x, (y, z))| *x = comb(*y, *z));
+            }
+        }
     }
 }
 
