@@ -91,28 +91,33 @@ impl Communicator {
     }
 
     /// Reduces element range `[a, b)` of every rank's buffer (`addrs[q]` in process q; our
-    /// own at `own`) in rank order into `dst`, `CMA_CHUNK_BYTES` at a time.
+    /// own at `own`) in rank order into `dst`, `CMA_CHUNK_BYTES` at a time, front to back
+    /// or (`backward`) from the last chunk. After each chunk, `done(offset, bytes)` gets
+    /// the chunk's place in `dst` (bytes from `dst`) while it is still in this core's
+    /// cache; an error from it ends the reduction.
     ///
     /// # Safety
     /// `own` readable and `dst` writable for `b - a` elements from their starts; `dst`
     /// may equal `own` (the kernels read an element of every source before writing it
     /// when the output is source 0 or 1; for other ranks `own` is copied first).
+    #[allow(clippy::too_many_arguments)]
     unsafe fn reduce_range_from_peers(
         &mut self,
         red: &Reduction,
         peers: &[(u32, u64)],
         own: *const u8,
         dst: *mut u8,
-        a: usize,
-        b: usize,
+        (a, b): (usize, usize),
+        backward: bool,
+        mut done: impl FnMut(usize, usize) -> Result<()>,
     ) -> Result<()> {
         let es = red.dtype.size();
         let chunk = (CMA_CHUNK_BYTES / es).max(1);
         let bufs = self.chunk_buffers(chunk * es);
         let in_place_ok = self.rank < 2 || !std::ptr::eq(own, dst);
         let mut srcs = vec![std::ptr::null::<u8>(); self.n];
-        let mut x = a;
-        while x < b {
+        for k in order((b - a).div_ceil(chunk), backward) {
+            let x = a + k * chunk;
             let len = chunk.min(b - x);
             let off = (x - a) * es;
             for (q, s) in srcs.iter_mut().enumerate() {
@@ -137,26 +142,35 @@ impl Communicator {
             // SAFETY: every source holds `len` elements (above); the destination range is
             // inside `dst` by this function's contract.
             unsafe { reduce_raw(red, dst.add(off), &srcs, len) };
-            x += len;
+            done(off, len * es)?;
         }
         Ok(())
     }
 
     /// Single-copy allreduce (the reduce-scatter + allgather decomposition): rank r reduces
     /// slice r of every rank's buffer into its own buffer, reading the peers' slices from
-    /// their processes; then every rank writes its reduced slice into each peer's buffer
-    /// (`process_vm_writev`; where the probe found writes impossible, each rank reads the
-    /// peers' reduced slices instead). Each byte crosses between processes once per phase,
-    /// and nothing goes through the segment.
+    /// their processes a chunk at a time, and writes each reduced chunk into every peer's
+    /// buffer (`process_vm_writev`) as soon as it is done, while the chunk is still in its
+    /// cache. Where the probe found writes impossible, the ranks meet once all slices are
+    /// reduced and each then reads the peers' reduced slices. Each byte crosses between
+    /// processes once per phase, and nothing goes through the segment.
     ///
-    /// Why write rather than read in the second phase: a reduced slice was just written by
-    /// its owner's core, so a reader would fetch every line from that core's cache, one
-    /// modified line at a time. Written by its owner, slice r of every buffer is touched
-    /// only by rank r's core, call after call, and stays in its cache. On the Intel Xeon
-    /// 2-vCPU VM (Sapphire Rapids class, 2026-12-05, ranks pinned, medians of interleaved
-    /// rounds of 200 calls, each path in the same processes) a 1 MiB `dist.all_reduce` took
-    /// 83 us writing (SUM; MAX 117), where the slot path, which the plan had chosen while
-    /// this phase read, took 129 (MAX 158) and reading took 199 (MAX).
+    /// Why no step between the two phases when writing: slice r of every buffer is read
+    /// and written by rank r alone (it reads the peers' slice r, then writes the result
+    /// back into it), and no rank reads its own buffer's slices of others; so a chunk may
+    /// go back to the peers while they still reduce theirs. The last step keeps every
+    /// buffer in use until all writes into it are done.
+    ///
+    /// Why write rather than read: a reduced chunk was just written by its owner's core,
+    /// so a reader would fetch every line from that core's cache, one modified line at a
+    /// time. On the Intel Xeon 2-vCPU VM (Sapphire Rapids class, 2026-12-05, ranks pinned,
+    /// medians of interleaved rounds of 200 calls, each path in the same processes) a 1 MiB
+    /// `dist.all_reduce` took 83 us writing the whole slice after the reduction (SUM;
+    /// MAX 117), where reading took 199 (MAX). Why each chunk as soon as it is reduced:
+    /// a second pass over a slice that has outgrown the cache fetches it from memory
+    /// again. Same VM, the kernels on slices (`reduce_direct`), runs alternating the two
+    /// forms: 16 MiB took 1.13-1.15 ms against 1.56-1.59 after the whole reduction, 64 MiB
+    /// 7.0-7.4 ms against 9.5-10.4 (the slot path: 9.9); at 1 MiB 63 us against 58 or 92.
     ///
     /// # Safety
     /// `buf` readable and writable for `count` aligned elements, untouched by anything
@@ -164,29 +178,37 @@ impl Communicator {
     pub(crate) unsafe fn allreduce_single_copy(&mut self, buf: *mut u8, count: usize, red: &Reduction, d: &Desc) -> Result<()> {
         let es = red.dtype.size();
         let peers = self.publish(buf, d)?;
-        let (a, b) = slice_bounds(count, self.n, self.rank);
+        let (n, me, back, writes) = (self.n, self.rank, self.backward, self.cma_write_ok);
+        let (a, b) = slice_bounds(count, n, me);
         // SAFETY: a <= count.
         let own = unsafe { buf.add(a * es) };
-        // SAFETY: [a, b) is inside `buf`; in place is allowed.
-        let r = unsafe { self.reduce_range_from_peers(red, &peers, own, own, a, b) };
-        self.fail_midway(Kind::Allreduce, r)?;
-        self.sync(None)?;
-        let (n, me, back) = (self.n, self.rank, self.backward);
-        for q in order(n, back).filter(|&q| q != me) {
-            let (pid, addr) = peers[q];
-            let r = if self.cma_write_ok {
-                // SAFETY: slice `me` [a, b) of `buf` is ours and only read here; rank q
-                // published its buffer of `count` elements (every rank agreed on it) and
-                // touches no byte of slice `me` in this phase (it reads slices of others
-                // only from their owners' writes; its own reduction was slice q, done).
-                unsafe { cma::transfer(Way::Write, pid, addr.wrapping_add((a * es) as u64), own, (b - a) * es, back) }
-            } else {
-                let (qa, qb) = slice_bounds(count, n, q);
-                // SAFETY: [qa, qb) is inside `buf`, which is ours to write.
-                unsafe { read(back, (pid, addr.wrapping_add((qa * es) as u64)), buf.add(qa * es), (qb - qa) * es) }
+        let push = |off: usize, len: usize| {
+            if !writes {
+                return Ok(());
             }
-            .map_err(|e| of_rank(q, e));
-            self.fail_midway(Kind::Allreduce, r)?;
+            order(n, back).filter(|&q| q != me).try_for_each(|q| {
+                let (pid, addr) = peers[q];
+                // SAFETY: [off, off + len) of slice `me` lies inside `buf`, ours, and is
+                // only read here; rank q published its buffer of `count` elements (every
+                // rank agreed on it) and touches no byte of its slice `me` during the call
+                // (only this rank reads and writes it).
+                unsafe { cma::transfer(Way::Write, pid, addr.wrapping_add((a * es + off) as u64), own.add(off), len, false) }
+                    .map_err(|e| of_rank(q, e))
+            })
+        };
+        // SAFETY: [a, b) is inside `buf`; in place is allowed.
+        let r = unsafe { self.reduce_range_from_peers(red, &peers, own, own, (a, b), back, push) };
+        self.fail_midway(Kind::Allreduce, r)?;
+        if !writes {
+            self.sync(None)?;
+            for q in order(n, back).filter(|&q| q != me) {
+                let (qa, qb) = slice_bounds(count, n, q);
+                // SAFETY: [qa, qb) is inside `buf`, which is ours to write; rank q wrote its
+                // slice before the step above and nobody writes it now.
+                let r = unsafe { read(back, (peers[q].0, peers[q].1.wrapping_add((qa * es) as u64)), buf.add(qa * es), (qb - qa) * es) }
+                    .map_err(|e| of_rank(q, e));
+                self.fail_midway(Kind::Allreduce, r)?;
+            }
         }
         self.sync(None)
     }
@@ -235,7 +257,7 @@ impl Communicator {
         // SAFETY: a + count <= n * count.
         let own = unsafe { input.add(a * red.dtype.size()) };
         // SAFETY: `own` holds `count` elements, `output` takes `count`.
-        let r = unsafe { self.reduce_range_from_peers(red, &peers, own, output, a, b) };
+        let r = unsafe { self.reduce_range_from_peers(red, &peers, own, output, (a, b), self.backward, |_, _| Ok(())) };
         self.fail_midway(Kind::ReduceScatter, r)?;
         self.sync(None)
     }

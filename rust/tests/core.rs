@@ -903,7 +903,7 @@ fn progress_close_while_an_inline_call_runs_returns() {
 #[test]
 fn single_copy_collectives_are_exact_in_both_directions_at_odd_sizes_past_a_piece() {
     // The single-copy broadcast (the root writes slice q into each rank q while the others
-    // read the rest), allreduce (each rank writes its reduced slice into the others),
+    // read the rest), allreduce (each rank writes each reduced chunk into the others),
     // allgather and all-to-all alternate their order call by call (front to
     // back, then in 256 KiB pieces from the last: `cma::transfer`). Each size runs twice in a
     // row, so both orders are checked, at counts that cut neither the pieces nor the
@@ -926,12 +926,16 @@ fn single_copy_collectives_are_exact_in_both_directions_at_odd_sizes_past_a_piec
                     let es = dtype.size();
                     let enc = |vals: Vec<f64>| aligned_buf(dtype, &vals);
                     let dec = |w: &Vec<u64>, m: usize| decode(dtype, &bytes_of(w)[..m * es]);
-                    // allreduce: the owners write their reduced slices into the others
-                    let mut x = enc((0..count).map(|i| v(rank, i)).collect());
-                    // SAFETY: `x` holds `count` elements, 8-byte aligned.
-                    c.allreduce(Buf::from_elems_mut(&mut x), count, dtype, ReduceOp::Sum, 1.0).unwrap();
-                    if dec(&x, count) != (0..count).map(|i| (0..n).map(|r| v(r, i)).sum()).collect::<Vec<f64>>() {
-                        bad.push(format!("allreduce count={count} call={call}"));
+                    // allreduce: the owners write each reduced chunk into the others; int32
+                    // reduces through conversion blocks, float64 in place on slices
+                    for t in [dtype, DType::F64] {
+                        let mut x = aligned_buf(t, &(0..count).map(|i| v(rank, i)).collect::<Vec<_>>());
+                        // SAFETY: `x` holds `count` elements, 8-byte aligned.
+                        c.allreduce(Buf::from_elems_mut(&mut x), count, t, ReduceOp::Sum, 1.0).unwrap();
+                        let got = decode(t, &bytes_of(&x)[..count * t.size()]);
+                        if got != (0..count).map(|i| (0..n).map(|r| v(r, i)).sum()).collect::<Vec<f64>>() {
+                            bad.push(format!("allreduce {t:?} count={count} call={call}"));
+                        }
                     }
                     let root = (k + call) % n;
                     let mut b = enc((0..count).map(|i| if rank == root { v(root, i) } else { -1.0 }).collect());
