@@ -28,8 +28,10 @@ _log = logging.getLogger("flagos_shm")
 #: times cross (:func:`~.decide._band`), so plans decided by the rule before are measured again;
 #: 8: the single-copy broadcast's root writes a slice into each peer, the single-copy allreduce's
 #: ranks write their reduced slices into the others, and single-copy transfers alternate their
-#: order (all faster), so the bands are measured again.
-CACHE_SCHEMA = 8
+#: order (all faster), so the bands are measured again; 9: in-place float reductions on
+#: slices (vectorized) and the single-copy allreduce writing each chunk as it is reduced
+#: (much faster from 1 MiB up), measured again.
+CACHE_SCHEMA = 9
 #: A machine's plan is settled after this many calibrations, each taken at the first group
 #: created at least :data:`RUN_GAP_S` after the previous one, their figures merged
 #: (:func:`merge`). One calibration can fall into one of the VM's slow phases: on the AMD
