@@ -76,7 +76,9 @@ pub struct Communicator {
     /// Whether every probe worked (the group can use single-copy transfers at all).
     cma_ok: bool,
     /// Whether every rank can also write every peer's memory (`process_vm_writev`): the
-    /// single-copy broadcast's root then writes its share into the others.
+    /// single-copy broadcast's root then writes its share into the others, and the
+    /// single-copy allreduce's ranks write their reduced chunks into the others (without
+    /// it they meet after the reduction and read, one step more).
     pub(crate) cma_write_ok: bool,
     /// What the probe found for `cma_write_ok`.
     cma_write_probed: bool,
@@ -219,16 +221,18 @@ impl Communicator {
         self.plan = self.plan.with_single_copy_min(bytes.unwrap_or(NEVER));
     }
 
-    /// Lets the single-copy broadcast's root write its share into the other ranks (`true`,
-    /// the default where the probe found it possible) or not (`false`: the others read the
-    /// whole buffer, as where `process_vm_writev` is forbidden). Has no effect where the
-    /// probe found it impossible. Every rank of the group must set the same value before its
-    /// next collective; meant for tests and measurements.
+    /// Lets the single-copy broadcast's root write its share into the other ranks and the
+    /// single-copy allreduce's ranks write their reduced chunks into the others (`true`, the
+    /// default where the probe found it possible) or not (`false`: the others read, as
+    /// where `process_vm_writev` is forbidden; the allreduce then takes one step more). Has
+    /// no effect where the probe found it impossible. Every rank of the group must set the
+    /// same value before its next collective (ranks that differ fall out of step); meant for
+    /// tests and measurements.
     pub fn set_single_copy_writes(&mut self, on: bool) {
         self.cma_write_ok = on && self.cma_write_probed;
     }
 
-    /// Whether the single-copy broadcast's root writes its share into the other ranks
+    /// Whether the single-copy broadcast and allreduce write into the other ranks
     /// ([`Self::set_single_copy_writes`]).
     pub fn single_copy_writes(&self) -> bool {
         self.cma_write_ok

@@ -3,7 +3,8 @@
 //! publishes the address of its buffer with the descriptor step, then reads the peers'
 //! buffers straight from their processes (the broadcast's root and the allreduce's second
 //! phase write into them instead); a last step keeps every buffer untouched until all
-//! transfers into or from it are done. Nothing goes through the segment's slots.
+//! transfers into or from it are done (after a failure, see `Communicator::fail_midway`).
+//! Nothing goes through the segment's slots.
 
 use crate::algorithms::{slice_bounds, CMA_CHUNK_BYTES};
 use crate::cma::{self, Way};
@@ -58,6 +59,12 @@ impl Communicator {
     /// may exit before this rank's read from it ends, so the read fails naming that peer:
     /// the message then leads with the rank that aborted the group and lists every rank
     /// whose process is gone.
+    ///
+    /// The failing rank returns at once, without the last step, so a write into its buffer
+    /// already under way still lands after the error: the broadcast root's slice for it, or
+    /// the chunk an allreduce's owner is writing (owners check for an abort before each
+    /// chunk of `CMA_CHUNK_BYTES` and stop). A failed collective's buffer holds no defined
+    /// result in any case, and the group is unusable after it.
     fn fail_midway<T>(&mut self, what: Kind, r: Result<T>) -> Result<T> {
         r.map_err(|e| {
             let first = sync::aborted_by(&self.seg).filter(|&q| q != self.rank);
@@ -65,7 +72,12 @@ impl Communicator {
             let head = format!("{} #{} (rank {}, step {})", what.name(), self.seq.saturating_sub(1), self.rank, self.step + 1);
             let gone = sync::exited(&self.seg, 0..self.n);
             let gone = if gone.is_empty() { String::new() } else { format!("; exited: {}", gone.join(", ")) };
+            let stopped = matches!(&e, Error::Aborted(m) if m.is_empty());
             let msg = match first {
+                Some(q) if stopped => {
+                    format!("{head}: the group was aborted by rank {q} (see its error); this rank's transfers stopped{gone}")
+                }
+                None if stopped => format!("{head}: the group was aborted from this process; its transfers stopped{gone}"),
                 Some(q) => {
                     format!("{head}: the group was aborted by rank {q} (see its error), then a single-copy transfer failed: {e}{gone}")
                 }
@@ -117,6 +129,11 @@ impl Communicator {
         let in_place_ok = self.rank < 2 || !std::ptr::eq(own, dst);
         let mut srcs = vec![std::ptr::null::<u8>(); self.n];
         for k in order((b - a).div_ceil(chunk), backward) {
+            // A peer that failed returns without waiting for us: stop writing into it (see
+            // `fail_midway`; the empty message says the abort was seen here).
+            if sync::aborted_by(&self.seg).is_some() {
+                return Err(Error::Aborted(String::new()));
+            }
             let x = a + k * chunk;
             let len = chunk.min(b - x);
             let off = (x - a) * es;
@@ -159,7 +176,7 @@ impl Communicator {
     /// and written by rank r alone (it reads the peers' slice r, then writes the result
     /// back into it), and no rank reads its own buffer's slices of others; so a chunk may
     /// go back to the peers while they still reduce theirs. The last step keeps every
-    /// buffer in use until all writes into it are done.
+    /// buffer in use until all writes into it are done (after a failure: `fail_midway`).
     ///
     /// Why write rather than read: a reduced chunk was just written by its owner's core,
     /// so a reader would fetch every line from that core's cache, one modified line at a
