@@ -19,7 +19,7 @@
 //! run as several batches.
 
 use super::{table, ONE_SHOT_MAX_BYTES};
-use crate::buffer::Buf;
+use crate::buffer::{check_disjoint, Buf};
 use crate::desc::{Kind, Transfer};
 use crate::error::{Error, Result};
 use crate::group::Communicator;
@@ -167,7 +167,8 @@ impl Communicator {
     /// Allgather of every `inputs[i]` (`counts[i]` elements of `dtypes[i]`) into
     /// `outputs[i]` (`n * counts[i]`, rank r's at `[r * count, (r + 1) * count)`), as one
     /// batch. An input may be this rank's part of its own output. Errors as
-    /// [`Self::allreduce_coalesced`] (`in_nbytes[i]`, `out_nbytes[i]`).
+    /// [`Self::allreduce_coalesced`] (`in_nbytes[i]`, `out_nbytes[i]`); an input that
+    /// overlaps its output otherwise is refused (`InvalidArgument` naming `out_ptr`).
     pub fn allgather_coalesced(&mut self, inputs: &[Buf<'_>], outputs: &[Buf<'_>], counts: &[usize], dtypes: &[DType]) -> Result<()> {
         let n = self.n;
         let checked = (|| {
@@ -175,6 +176,15 @@ impl Communicator {
             for (i, (&c, &d)) in counts.iter().zip(dtypes).enumerate() {
                 inputs[i].check(&format!("in_nbytes[{i}]"), c, d.size(), 1, false)?;
                 outputs[i].check(&format!("out_nbytes[{i}]"), c, d.size(), n, true)?;
+                let bytes = c * d.size();
+                check_disjoint(
+                    &format!("allgather_coalesced item {i}"),
+                    &inputs[i],
+                    bytes,
+                    &outputs[i],
+                    n * bytes,
+                    Some(self.rank * bytes),
+                )?;
             }
             Ok(())
         })();
@@ -190,7 +200,8 @@ impl Communicator {
 
     /// Reduce-scatter of every `inputs[i]` (`n * counts[i]` elements of `dtypes[i]`)
     /// into `outputs[i]` (`counts[i]`: the reduction of piece `rank`), with one op, as one
-    /// batch. Errors as [`Self::allreduce_coalesced`] (`in_nbytes[i]`, `out_nbytes[i]`).
+    /// batch. Errors as [`Self::allreduce_coalesced`] (`in_nbytes[i]`, `out_nbytes[i]`); an
+    /// output that overlaps its input is refused (`InvalidArgument` naming `out_ptr`).
     #[allow(clippy::too_many_arguments)]
     pub fn reduce_scatter_coalesced(
         &mut self,
@@ -207,6 +218,8 @@ impl Communicator {
             for (i, (&c, &d)) in counts.iter().zip(dtypes).enumerate() {
                 inputs[i].check(&format!("in_nbytes[{i}]"), c, d.size(), n, false)?;
                 outputs[i].check(&format!("out_nbytes[{i}]"), c, d.size(), 1, true)?;
+                let bytes = c * d.size();
+                check_disjoint(&format!("reduce_scatter_coalesced item {i}"), &inputs[i], n * bytes, &outputs[i], bytes, None)?;
             }
             dtypes.iter().map(|&d| self.reduction(d, op, factor)).collect::<Result<Vec<_>>>()
         })();

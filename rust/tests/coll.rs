@@ -362,6 +362,10 @@ fn own_pieces_read_in_place_give_exact_results_and_overlaps_are_refused() {
             };
             errs.push(c.allgather(ag_in, ag_out, len, DType::I64).err().map(|e| e.to_string()));
             errs.push(c.reduce_scatter(rs_in, rs_out, len, DType::I64, ReduceOp::Sum, 1.0).err().map(|e| e.to_string()));
+            // the same overlaps as one item of a coalesced batch
+            errs.push(c.allgather_coalesced(&[ag_in], &[ag_out], &[len], &[DType::I64]).err().map(|e| e.to_string()));
+            let rs = c.reduce_scatter_coalesced(&[rs_in], &[rs_out], &[len], &[DType::I64], ReduceOp::Sum, 1.0);
+            errs.push(rs.err().map(|e| e.to_string()));
             let untouched = both.iter().all(|x| *x == 7) && fresh.iter().all(|x| *x == -1);
             // the group is still usable
             let mut v = vec![me as i64; 3];
