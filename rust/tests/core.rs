@@ -12,16 +12,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Small deterministic generator (xorshift64*), so tests need no extra dependency.
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-}
+mod common;
+use common::Rng;
 
 fn tmpdir() -> PathBuf {
     static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -904,13 +896,13 @@ fn progress_close_while_an_inline_call_runs_returns() {
 fn single_copy_collectives_are_exact_in_both_directions_at_odd_sizes_past_a_piece() {
     // The single-copy broadcast (the root writes slice q into each rank q while the others
     // read the rest), allreduce (each rank writes each reduced chunk into the others),
-    // allgather and all-to-all alternate their order call by call (front to
-    // back, then in 256 KiB pieces from the last: `cma::transfer`). Each size runs twice in a
-    // row, so both orders are checked, at counts that cut neither the pieces nor the
-    // broadcast's 64-byte slices evenly, against per-element formulas.
-    // Without `process_vm_writev` (`set_single_copy_writes(false)`) the root of the
-    // broadcast only waits and the others read everything, and the allreduce's ranks read
-    // the reduced slices.
+    // allgather and all-to-all alternate their order call by call (front to back, then in
+    // 256 KiB pieces from the last: `cma::transfer`; the reductions' chunks likewise). Each
+    // collective runs twice in a row at each size, so it is checked in both orders, at
+    // counts that cut neither the pieces nor the broadcast's 64-byte slices evenly,
+    // against per-element formulas. Without `process_vm_writev`
+    // (`set_single_copy_writes(false)`) the root of the broadcast only waits and the others
+    // read everything, and the allreduce's ranks read the reduced slices after a step.
     let dtype = DType::I32;
     for (n, writes) in (2..=4usize).flat_map(|n| [(n, true), (n, false)]) {
         let results = with_group(n, SLOT, move |rank, c| {
@@ -921,14 +913,15 @@ fn single_copy_collectives_are_exact_in_both_directions_at_odd_sizes_past_a_piec
             }
             c.set_single_copy_writes(writes);
             let v = |r: usize, i: usize| (r * 10_000_000 + i) as f64;
+            let es = dtype.size();
+            let enc = |vals: Vec<f64>| aligned_buf(dtype, &vals);
+            let dec = |w: &Vec<u64>, m: usize| decode(dtype, &bytes_of(w)[..m * es]);
             for (k, count) in [65_536usize + 5, 300_001, 1_000_003].into_iter().enumerate() {
-                for call in 0..2 {
-                    let es = dtype.size();
-                    let enc = |vals: Vec<f64>| aligned_buf(dtype, &vals);
-                    let dec = |w: &Vec<u64>, m: usize| decode(dtype, &bytes_of(w)[..m * es]);
-                    // allreduce: the owners write each reduced chunk into the others; int32
-                    // reduces through conversion blocks, float64 in place on slices
-                    for t in [dtype, DType::F64] {
+                // allreduce: the owners write each reduced chunk into the others; int32
+                // reduces through conversion blocks, float64 on slices (in place on ranks 0
+                // and 1, from a copy of the own chunk on the others)
+                for t in [dtype, DType::F64] {
+                    for call in 0..2 {
                         let mut x = aligned_buf(t, &(0..count).map(|i| v(rank, i)).collect::<Vec<_>>());
                         // SAFETY: `x` holds `count` elements, 8-byte aligned.
                         c.allreduce(Buf::from_elems_mut(&mut x), count, t, ReduceOp::Sum, 1.0).unwrap();
@@ -937,6 +930,8 @@ fn single_copy_collectives_are_exact_in_both_directions_at_odd_sizes_past_a_piec
                             bad.push(format!("allreduce {t:?} count={count} call={call}"));
                         }
                     }
+                }
+                for call in 0..2 {
                     let root = (k + call) % n;
                     let mut b = enc((0..count).map(|i| if rank == root { v(root, i) } else { -1.0 }).collect());
                     // SAFETY: `b` holds `count` elements, 8-byte aligned.
@@ -944,6 +939,8 @@ fn single_copy_collectives_are_exact_in_both_directions_at_odd_sizes_past_a_piec
                     if dec(&b, count) != (0..count).map(|i| v(root, i)).collect::<Vec<_>>() {
                         bad.push(format!("broadcast count={count} call={call} root={root}"));
                     }
+                }
+                for call in 0..2 {
                     let input = enc((0..count).map(|i| v(rank, i)).collect());
                     let mut out = vec![0u64; (n * count * es).div_ceil(8)];
                     // SAFETY: sizes as documented, buffers 8-byte aligned.
@@ -951,6 +948,8 @@ fn single_copy_collectives_are_exact_in_both_directions_at_odd_sizes_past_a_piec
                     if dec(&out, n * count) != (0..n).flat_map(|r| (0..count).map(move |i| v(r, i))).collect::<Vec<_>>() {
                         bad.push(format!("allgather count={count} call={call}"));
                     }
+                }
+                for call in 0..2 {
                     let piece = count / n + 1;
                     let src = enc((0..n * piece).map(|i| v(rank, i)).collect());
                     let mut o = vec![0u64; (n * piece * es).div_ceil(8)];

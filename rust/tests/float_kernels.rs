@@ -11,6 +11,9 @@
 //! +-0, subnormals) with random values; SUM, PRODUCT, MIN, MAX and AVG, 1..=4 sources,
 //! lengths around the kernels' 256-element block.
 
+mod common;
+
+use common::Rng;
 use flagos_shm::reduce::{reduce_raw, DType, ReduceOp, Reduction};
 
 const OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Product, ReduceOp::Min, ReduceOp::Max, ReduceOp::Avg];
@@ -22,17 +25,6 @@ enum Out {
     Apart,
     /// Into source k, which then holds the result.
     Source(usize),
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        // xorshift64*
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
 }
 
 trait Float: Copy + PartialOrd + std::ops::Add<Output = Self> + std::ops::Mul<Output = Self> + std::ops::Div<Output = Self> {
