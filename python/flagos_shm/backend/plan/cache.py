@@ -30,8 +30,10 @@ _log = logging.getLogger("flagos_shm")
 #: ranks write their reduced slices into the others, and single-copy transfers alternate their
 #: order (all faster), so the bands are measured again; 9: in-place float reductions on
 #: slices (vectorized) and the single-copy allreduce writing each chunk as it is reduced
-#: (much faster from 1 MiB up), measured again.
-CACHE_SCHEMA = 9
+#: (much faster from 1 MiB up), measured again; 10: a single-copy allgather's and
+#: all-to-all's own piece streamed from 4 MiB (was 16 MiB; 7 % faster at 8 and 16 MiB), so
+#: their bands are measured again.
+CACHE_SCHEMA = 10
 #: A machine's plan is settled after this many calibrations, each taken at the first group
 #: created at least :data:`RUN_GAP_S` after the previous one, their figures merged
 #: (:func:`merge`). One calibration can fall into one of the VM's slow phases: on the AMD
