@@ -48,7 +48,7 @@ pub enum Mode {
 /// 2026-12-05, two ranks pinned, median of four interleaved rounds) streaming took a 64 MiB
 /// `all_gather_into_tensor` from 8826 to 7936 us and a 64 MiB `all_to_all_single` from
 /// 10513 to 8898 us (32 MiB pieces). On another VM of that type (260 MiB L3; 2026-12-05
-/// 23:40 UTC, alternating runs of five rounds, medians of 40-60 calls) it also took 16 MiB
+/// 23:05 UTC, alternating runs of five rounds, medians of 40-60 calls) it also took 16 MiB
 /// (8 MiB pieces) from 1440 to 1340 us, both ops, two runs of two, and 8 MiB (4 MiB pieces)
 /// from 700 to 635-645 us in two runs of three (the third within 1 %); at 4 MiB (2 MiB
 /// pieces, the L2's size) the two kinds were within 10 % either way and at 1 MiB plain
