@@ -22,6 +22,12 @@ impl Communicator {
     pub(crate) unsafe fn allreduce_ptrs(&mut self, buf: *mut u8, count: usize, dtype: DType, op: ReduceOp, factor: f64) -> Result<()> {
         let red = self.reduction(dtype, op, factor)?;
         let mut d = self.begin(Kind::Allreduce, dtype, Some(&red), count, 0)?;
+        if self.n == 1 {
+            // Alone (see `algorithms`): the reduction of this rank's buffer, where it lies.
+            // SAFETY: `buf` holds `count` elements (the contract); one source, `dst` itself.
+            unsafe { reduce_raw(&red, buf, &[buf], count) };
+            return Ok(());
+        }
         let es = dtype.size();
         if self.single_copy(Kind::Allreduce, count * es) {
             d.route(Transfer::SingleCopy, CMA_CHUNK_BYTES);

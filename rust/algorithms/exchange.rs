@@ -3,6 +3,7 @@
 //! slot and its own input.
 
 use super::{chunks, CMA_CHUNK_BYTES};
+use crate::cma;
 use crate::desc::{Kind, Transfer};
 use crate::error::Result;
 use crate::group::Communicator;
@@ -23,6 +24,18 @@ impl Communicator {
         let kind = if red.is_some() { Kind::ReduceScatter } else { Kind::Alltoall };
         let mut d = self.begin(kind, dtype, red.as_ref(), count, 0)?;
         let es = dtype.size();
+        if self.n == 1 {
+            // Alone (see `algorithms`): the one piece of `input` is the result.
+            // SAFETY: `input` readable and `output` writable for `count` elements, apart
+            // (the contract).
+            unsafe {
+                match &red {
+                    Some(red) => reduce_raw(red, output, &[input], count),
+                    None => cma::copy_local(input, output, count * es, false, self.streams_local(count * es)),
+                }
+            }
+            return Ok(());
+        }
         if let Some(red) = red.as_ref().filter(|_| self.single_copy(Kind::ReduceScatter, self.n * count * es)) {
             d.route(Transfer::SingleCopy, CMA_CHUNK_BYTES);
             // SAFETY: forwarded from this function's contract.

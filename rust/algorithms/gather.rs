@@ -2,6 +2,7 @@
 //! its chunk in; all ranks (gather: the root; scatter: each its own piece) copy out.
 
 use super::chunks;
+use crate::cma;
 use crate::desc::{Kind, Transfer};
 use crate::error::Result;
 use crate::group::Communicator;
@@ -25,6 +26,14 @@ impl Communicator {
         let kind = if root.is_some() { Kind::Gather } else { Kind::Allgather };
         let mut d = self.begin(kind, dtype, None, count, root.unwrap_or(0))?;
         let es = dtype.size();
+        if self.n == 1 {
+            // Alone (see `algorithms`): this rank's piece is the whole output (the root's,
+            // for gather: rank 0, the only one `check_root` accepts).
+            // SAFETY: `input` readable and `output` writable for `count` elements (the
+            // contract); `copy_local` allows them equal (in place) or overlapping.
+            unsafe { cma::copy_local(input, output, count * es, false, self.streams_local(count * es)) };
+            return Ok(());
+        }
         if root.is_none() && self.single_copy(Kind::Allgather, self.n * count * es) {
             d.route(Transfer::SingleCopy, count * es);
             // SAFETY: forwarded from this function's contract.
@@ -91,6 +100,13 @@ impl Communicator {
         self.check_root(root)?;
         let mut d = self.begin(Kind::Scatter, dtype, None, count, root)?;
         let es = dtype.size();
+        if self.n == 1 {
+            // Alone (see `algorithms`): this rank is the root; its one piece is its output.
+            // SAFETY: the root's `input` readable and `output` writable for `count`
+            // elements (the contract); `copy_local` allows any overlap.
+            unsafe { cma::copy_local(input, output, count * es, false, self.streams_local(count * es)) };
+            return Ok(());
+        }
         let per = self.seg.slot_bytes() / es / self.n;
         d.route(Transfer::Slots, per * es);
         for ch in chunks(count, per) {

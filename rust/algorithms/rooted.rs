@@ -18,6 +18,9 @@ impl Communicator {
     pub(crate) unsafe fn broadcast_ptrs(&mut self, buf: *mut u8, count: usize, dtype: DType, root: usize) -> Result<()> {
         self.check_root(root)?;
         let mut d = self.begin(Kind::Broadcast, dtype, None, count, root)?;
+        if self.n == 1 {
+            return Ok(()); // alone (see `algorithms`): the root's buffer is the result
+        }
         let es = dtype.size();
         if self.single_copy(Kind::Broadcast, count * es) {
             d.route(Transfer::SingleCopy, count * es);
@@ -61,6 +64,12 @@ impl Communicator {
         self.check_root(root)?;
         let red = self.reduction(dtype, op, factor)?;
         let mut d = self.begin(Kind::Reduce, dtype, Some(&red), count, root)?;
+        if self.n == 1 {
+            // Alone (see `algorithms`): this rank is the root.
+            // SAFETY: `buf` holds `count` elements, writable on the root (the contract).
+            unsafe { reduce_raw(&red, buf, &[buf], count) };
+            return Ok(());
+        }
         let es = dtype.size();
         let per = self.seg.slot_bytes() / es;
         d.route(Transfer::Slots, per * es);

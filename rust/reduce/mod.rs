@@ -369,6 +369,9 @@ unsafe fn reduce_direct<T: Copy>(dst: *mut T, srcs: &[*const T], len: usize, com
         // SAFETY: start < len, so both offsets stay inside the caller's buffers.
         let (d, s0) = unsafe { (dst.add(start), srcs[0].add(start)) };
         if srcs.len() == 1 {
+            if std::ptr::eq(s0, d) {
+                return; // one source, and it is the destination: every element is already there
+            }
             // SAFETY: b elements in bounds; `copy` tolerates d == s0.
             unsafe { std::ptr::copy(s0, d, b) };
         } else {

@@ -1011,3 +1011,96 @@ fn single_copy_own_pieces_past_the_streaming_threshold_are_exact_in_every_store_
         assert!(bad.is_empty(), "rank {r}: {bad:?}");
     }
 }
+
+#[test]
+fn world_size_one_works_where_the_data_lies_bit_for_bit() {
+    // At n = 1 every collective is local (`algorithms`, "n = 1"): a reduction of the one
+    // input keeps its bits (NaN payloads, -0.0) or, PREMUL_SUM, scales each element; the
+    // copies copy, also past the streaming threshold and in place; a call after an abort
+    // still fails, and the sequence goes on (the descriptor is taken as always).
+    use flagos_shm::stream::LOCAL_MIN_BYTES;
+    let results = with_group(1, SLOT, |_, c| {
+        let mut bad = Vec::new();
+        let count = LOCAL_MIN_BYTES / 4 + 5;
+        let x: Vec<u32> = (0..count)
+            .map(|i| match i % 5 {
+                0 => 0x8000_0000, // -0.0
+                1 => 0x7fc0_1234, // a quiet NaN with a payload
+                _ => (i as f32 * 0.75 - 100.0).to_bits(),
+            })
+            .collect();
+        let scaled = |k: f32| -> Vec<u32> { x.iter().map(|&b| (f32::from_bits(b) * k).to_bits()).collect() };
+        let same_or_nan = |got: &[u32], want: &[u32]| {
+            got.iter().zip(want).all(|(&g, &w)| g == w || (f32::from_bits(g).is_nan() && f32::from_bits(w).is_nan()))
+        };
+        for op in [ReduceOp::Sum, ReduceOp::Min, ReduceOp::Max, ReduceOp::Product, ReduceOp::Avg] {
+            let mut b = x.clone();
+            c.allreduce(Buf::from_elems_mut(&mut b), count, DType::F32, op, 1.0).unwrap();
+            if b != x {
+                bad.push(format!("allreduce {op:?} changed bits"));
+            }
+            let mut b = x.clone();
+            c.reduce(Buf::from_elems_mut(&mut b), count, DType::F32, op, 1.0, 0).unwrap();
+            if b != x {
+                bad.push(format!("reduce {op:?} changed bits"));
+            }
+        }
+        let mut b = x.clone();
+        c.allreduce(Buf::from_elems_mut(&mut b), count, DType::F32, ReduceOp::PremulSum, 0.5).unwrap();
+        if !same_or_nan(&b, &scaled(0.5)) {
+            bad.push("allreduce PREMUL_SUM(0.5) is not x * 0.5".into());
+        }
+        let mut b = x.clone();
+        c.broadcast(Buf::from_elems_mut(&mut b), count, DType::F32, 0).unwrap();
+        if b != x {
+            bad.push("broadcast changed bits".into());
+        }
+        let mut out = vec![0u32; count];
+        c.allgather(Buf::from_elems(&x), Buf::from_elems_mut(&mut out), count, DType::F32).unwrap();
+        if out != x {
+            bad.push("allgather out of place".into());
+        }
+        let mut b = x.clone();
+        let p = b.as_mut_ptr().cast::<u8>();
+        // SAFETY: both views cover `b` (count * 4 bytes), which nothing else touches during
+        // the call; an allgather allows its input to be its own piece of the output.
+        let (i, o) = unsafe { (Buf::from_raw_parts(p, count * 4), Buf::from_raw_parts(p, count * 4)) };
+        c.allgather(i, o, count, DType::F32).unwrap();
+        if b != x {
+            bad.push("allgather in place".into());
+        }
+        for (name, k) in [("gather", 0), ("scatter", 1), ("alltoall", 2)] {
+            let mut out = vec![0u32; count];
+            let (i, o) = (Buf::from_elems(&x), Buf::from_elems_mut(&mut out));
+            match k {
+                0 => c.gather(i, o, count, DType::F32, 0),
+                1 => c.scatter(i, o, count, DType::F32, 0),
+                _ => c.alltoall(i, o, count, DType::F32),
+            }
+            .unwrap();
+            if out != x {
+                bad.push(format!("{name} is not a copy"));
+            }
+        }
+        let mut out = vec![0u32; count];
+        c.reduce_scatter(Buf::from_elems(&x), Buf::from_elems_mut(&mut out), count, DType::F32, ReduceOp::PremulSum, 0.25).unwrap();
+        if !same_or_nan(&out, &scaled(0.25)) {
+            bad.push("reduce_scatter PREMUL_SUM(0.25) is not x * 0.25".into());
+        }
+        let mut out = vec![0u32; count];
+        c.reduce_scatter(Buf::from_elems(&x), Buf::from_elems_mut(&mut out), count, DType::F32, ReduceOp::Sum, 1.0).unwrap();
+        if out != x {
+            bad.push("reduce_scatter SUM is not a copy".into());
+        }
+        c.abort();
+        let mut b = x.clone();
+        if !matches!(c.allreduce(Buf::from_elems_mut(&mut b), count, DType::F32, ReduceOp::Sum, 1.0), Err(Error::Aborted(_))) {
+            bad.push("allreduce after abort did not fail".into());
+        }
+        if !matches!(c.broadcast(Buf::from_elems_mut(&mut b), count, DType::F32, 0), Err(Error::Aborted(_))) {
+            bad.push("broadcast after abort did not fail".into());
+        }
+        bad
+    });
+    assert!(results[0].is_empty(), "{:?}", results[0]);
+}
