@@ -1,5 +1,6 @@
 //! Collective descriptors: what one rank says it is doing at one position of the group's
-//! sequence, exchanged in the first step of every collective (see `algorithms`), and the
+//! sequence, exchanged in the first step of every collective with peers (see `algorithms`;
+//! a group of one rank builds it, for the abort check and the sequence, and keeps it), and the
 //! check of a peer's descriptor against our own. Everything here is pure: the words come
 //! from, and go to, the control blocks through `sync`.
 

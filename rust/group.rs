@@ -297,16 +297,18 @@ impl Communicator {
         Ok(out)
     }
 
-    /// Whether a single-copy collective's local copy of `n` bytes (its own piece) uses
-    /// streaming stores: from [`crate::stream::LOCAL_MIN_BYTES`], unless the mode is
-    /// [`crate::stream::Mode::Plain`].
+    /// Whether a local copy of `n` bytes uses streaming stores: a single-copy collective's
+    /// own piece, or, in a group of one rank, the whole message of an allgather, gather,
+    /// scatter or all-to-all (`algorithms`, "n = 1"). From [`crate::stream::LOCAL_MIN_BYTES`],
+    /// unless the mode is [`crate::stream::Mode::Plain`].
     pub(crate) fn streams_local(&self, n: usize) -> bool {
         self.streamer.mode() != crate::stream::Mode::Plain && n >= crate::stream::LOCAL_MIN_BYTES
     }
 
-    /// Whether an allreduce of `bytes` takes the one-shot slot algorithm.
+    /// Whether an allreduce of `bytes` through the slots takes the one-shot algorithm (a
+    /// group of one rank takes neither: `algorithms`, "n = 1").
     pub(crate) fn one_shot(&self, bytes: usize) -> bool {
-        self.n < 2 || bytes <= self.plan.one_shot_max
+        bytes <= self.plan.one_shot_max
     }
 
     /// Checks, with every rank, that each can read each peer's memory: every rank

@@ -41,19 +41,20 @@ pub enum Mode {
 }
 
 /// A single-copy allgather's or all-to-all's copy of its own piece (from its input into its
-/// output, in this process) uses streaming stores from this many bytes on, in modes
-/// [`Mode::Auto`] and [`Mode::Stream`] (`crate::group::Communicator::streams_local`): the
-/// output is far larger than the L2 then, so a plain store's read-for-ownership only adds
-/// memory traffic. On the Intel Xeon 2-vCPU VM (Sapphire Rapids class, 2 MiB L2 per core,
-/// 2026-12-05, two ranks pinned, median of four interleaved rounds) streaming took a 64 MiB
-/// `all_gather_into_tensor` from 8826 to 7936 us and a 64 MiB `all_to_all_single` from
-/// 10513 to 8898 us (32 MiB pieces). On another VM of that type (260 MiB L3; 2026-12-05
-/// 23:05 UTC, alternating runs of five rounds, medians of 40-60 calls) it also took 16 MiB
-/// (8 MiB pieces) from 1440 to 1340 us, both ops, two runs of two, and 8 MiB (4 MiB pieces)
-/// from 700 to 635-645 us in two runs of three (the third within 1 %); at 4 MiB (2 MiB
-/// pieces, the L2's size) the two kinds were within 10 % either way and at 1 MiB plain
-/// stores were faster (66 against 70-106 us), so the threshold is 4 MiB: twice the L2.
-/// Not measured on the AMD EPYC VM.
+/// output, in this process; at world size 1, the whole message of an allgather, gather,
+/// scatter or all-to-all, which was not measured apart) uses streaming stores from this
+/// many bytes on, in modes [`Mode::Auto`] and [`Mode::Stream`]
+/// (`crate::group::Communicator::streams_local`): the output is far larger than the L2
+/// then, so a plain store's read-for-ownership only adds memory traffic. On the Intel Xeon
+/// 2-vCPU VM (Sapphire Rapids class, 2 MiB L2 per core, 2026-12-05, two ranks pinned,
+/// median of four interleaved rounds) streaming took a 64 MiB `all_gather_into_tensor` from
+/// 8826 to 7936 us and a 64 MiB `all_to_all_single` from 10513 to 8898 us (32 MiB pieces).
+/// On another VM of that type (260 MiB L3; 2026-12-05 23:05 UTC, alternating runs of five
+/// rounds, medians of 40-60 calls) it also took 16 MiB (8 MiB pieces) from 1440 to 1340
+/// us, both ops, two runs of two, and 8 MiB (4 MiB pieces) from 700 to 635-645 us in two
+/// runs of three (the third within 1 %); at 4 MiB (2 MiB pieces, the L2's size) the two
+/// kinds were within 10 % either way and at 1 MiB plain stores were faster (66 against
+/// 70-106 us), so the threshold is 4 MiB: twice the L2. Not measured on the AMD EPYC VM.
 pub const LOCAL_MIN_BYTES: usize = 4 << 20;
 /// Copies into a slot smaller than this stay plain in every mode (a few lines).
 pub const MIN_BYTES: usize = 4 << 10;

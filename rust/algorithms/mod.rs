@@ -7,9 +7,10 @@
 //! allgathers or reduce-scatters as one operation, `table`: the per-call tables these
 //! two publish in their first step), and the single-copy ones are in `crate::single_copy`.
 //!
-//! Every collective streams its message through the per-rank chunk slots, one chunk per
-//! step (two for the large allreduce), so any message size fits a segment of a fixed size.
-//! The first step of every collective also exchanges a *descriptor* (kind, dtype, count,
+//! With peers (n > 1; alone, see "n = 1" below), every collective streams its message
+//! through the per-rank chunk slots, one chunk per step (two for the large allreduce), or
+//! moves it single-copy, so any message size fits a segment of a fixed size. The first step
+//! of every collective also exchanges a *descriptor* (kind, dtype, count,
 //! reduce op, root, sequence number, and the transfer path and bytes per step the rank
 //! chose, [`Transfer`]): before reading any peer data, each rank compares all
 //! descriptors, so ranks that issued different collectives at the same position of the
