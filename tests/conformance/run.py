@@ -9,6 +9,13 @@ private directory under /dev/shm (``FLAGOS_SHM_DIR``); what a killed rank leaves
 removed after its test and reported as ``leaked`` in that test's line. Each line:
 ``{"test", "outcome" (pass/fail/skip), "seconds", "reason", "leaked"}``.
 Exit status 0 unless a test failed.
+
+The runner removes the two directories it makes (segments, the suite's ``TEMP_DIR``) when
+it ends, also when stopped by SIGTERM or SIGHUP (``timeout``, ``kill``, a closed terminal):
+they end the run as Ctrl-C does. Against SIGKILL only the caller can help: it passes its
+own directories (``--seg-dir``, ``--temp-dir``), which the runner then leaves to it, and
+removes them whatever happened (``tests/test_conformance.py``). The first line printed
+names the directories.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -36,6 +44,10 @@ def _parse(argv):
     p.add_argument("--start", choices=("forkserver", "spawn"), default="forkserver",
                    help="how ranks start: forked from a preloaded server (default) or spawned as upstream does")
     p.add_argument("--out", required=True, help="JSON-lines file (appended)")
+    p.add_argument("--seg-dir", help="directory for the segments (FLAGOS_SHM_DIR), made and removed by the "
+                                     "caller (default: a fresh one under /dev/shm, removed at the end)")
+    p.add_argument("--temp-dir", help="the suite's TEMP_DIR, made and removed by the caller (default: a fresh "
+                                      "one, removed at the end)")
     p.add_argument("tests", nargs="*", help="test names (default: all)")
     return p.parse_args(argv)
 
@@ -93,14 +105,31 @@ class _Recorder(unittest.TestResult):
         self._fail(test, err)
 
 
+def _interrupt(signum, frame):
+    """SIGTERM and SIGHUP end the run as Ctrl-C does (``KeyboardInterrupt``, which unittest
+    passes on where it records any other exception as the test's error), so that ``main``'s
+    ``finally`` removes the directories."""
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
-    seg_dir = tempfile.mkdtemp(prefix="flagos_conf-", dir="/dev/shm")
-    temp_dir = tempfile.mkdtemp(prefix="flagos_conf-")
-    os.environ.update(BACKEND=args.backend, WORLD_SIZE=str(args.world_size), TEMP_DIR=temp_dir,
-                      FLAGOS_SHM_DIR=seg_dir, DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=str(args.timeout))
-    sys.path.insert(0, os.path.dirname(HERE))  # tests/: spawned ranks import conformance.suite
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    made = []  # the directories this run makes; it removes them when it ends
+
+    def fresh(given, **where):
+        if given:
+            return given
+        made.append(tempfile.mkdtemp(prefix="flagos_conf-", **where))
+        return made[-1]
+
     try:
+        seg_dir, temp_dir = fresh(args.seg_dir, dir="/dev/shm"), fresh(args.temp_dir)
+        print(f"conformance: segments in {seg_dir}, TEMP_DIR {temp_dir}", flush=True)
+        os.environ.update(BACKEND=args.backend, WORLD_SIZE=str(args.world_size), TEMP_DIR=temp_dir,
+                          FLAGOS_SHM_DIR=seg_dir, DISTRIBUTED_TESTS_DEFAULT_TIMEOUT=str(args.timeout))
+        sys.path.insert(0, os.path.dirname(HERE))  # tests/: spawned ranks import conformance.suite
         from conformance import suite
 
         # The suite raises two of its tests' limits above any per-test budget; cap them.
@@ -118,8 +147,8 @@ def main(argv=None) -> int:
             tests.run(result)
         return 1 if result.failed else 0
     finally:
-        shutil.rmtree(seg_dir, ignore_errors=True)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        for d in made:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 if __name__ == "__main__":

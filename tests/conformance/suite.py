@@ -38,17 +38,20 @@ test class, in every spawned rank (they import this module).
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import re
+import shutil
 import sys
 import tempfile
 import unittest
 
 os.environ.setdefault("BACKEND", "flagos_shm")
 os.environ.setdefault("WORLD_SIZE", "2")
-if "TEMP_DIR" not in os.environ:
+if "TEMP_DIR" not in os.environ:  # imported on its own, not by run.py: this process owns it
     os.environ["TEMP_DIR"] = tempfile.mkdtemp(prefix="flagos_conf-")
+    atexit.register(shutil.rmtree, os.environ["TEMP_DIR"], True)
 
 import torch  # noqa: E402
 import flagos_shm  # noqa: E402,F401  (registers the backend, here and in every spawned rank)
