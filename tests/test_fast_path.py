@@ -385,12 +385,13 @@ def test_misaligned_tensors_are_staged_not_refused(worlds, backend):
 
 
 _ROUTED = ("_broadcast_digested", "broadcast", "_all_gather_single_digested", "all_gather_single",
-           "_all_to_all_single_digested", "all_to_all_single")
+           "_all_to_all_single_digested", "all_to_all_single", "_reduce_scatter_single_digested",
+           "reduce_scatter_single")
 
 
 def digested_routes():
     """Which of the group's Python methods the C++ adapter calls for broadcast,
-    all_gather_into_tensor and all_to_all_single: spies on the class, installed before the
+    all_gather_into_tensor, all_to_all_single and reduce_scatter_tensor: spies on the class, installed before the
     group's backend is made (the adapter binds the methods when it is built)."""
     from flagos_shm.backend.group import ShmGroup
 
@@ -439,6 +440,26 @@ def digested_routes():
         same = torch.arange(2 * n, dtype=torch.int64) + 100 * rank  # input and output one tensor
         run("all_to_all overlapping", lambda: dist.all_to_all_single(same, same, group=g),
             lambda _: same.tolist() == want)
+        # reduce_scatter_tensor: rank q's input element j is 10 * q + j (exact in float64 and
+        # int32), so rank r's output element i is sum_q (10 * q + 2 * r + i)
+        rs_in = torch.arange(2 * n, dtype=torch.float64) + 10 * rank
+        rs_out = torch.zeros(2, dtype=torch.float64)
+        rs_want = [sum(10 * q + 2 * rank + i for q in range(n)) for i in range(2)]
+        run("reduce_scatter", lambda: dist.reduce_scatter_tensor(rs_out, rs_in, group=g),
+            lambda _: rs_out.tolist() == rs_want)
+        rs_max = torch.zeros(2, dtype=torch.int32)
+        run("reduce_scatter max async",
+            lambda: dist.reduce_scatter_tensor(rs_max, rs_in.to(torch.int32), op=dist.ReduceOp.MAX, group=g,
+                                               async_op=True),
+            lambda w: w.wait() and w.is_completed()
+            and rs_max.tolist() == [10 * (n - 1) + 2 * rank + i for i in range(2)])
+        whole = torch.arange(2 * n, dtype=torch.float64) + 10 * rank  # output inside the input
+        run("reduce_scatter overlapping", lambda: dist.reduce_scatter_tensor(whole[:2], whole, group=g),
+            lambda _: whole[:2].tolist() == rs_want)
+        premul = torch.zeros(2, dtype=torch.float64)  # PREMUL_SUM: not in the adapter's table
+        run("reduce_scatter premul",
+            lambda: dist.reduce_scatter_tensor(premul, rs_in, op=dist._make_nccl_premul_sum(0.5), group=g),
+            lambda _: premul.tolist() == [v * 0.5 for v in rs_want])
         dist.destroy_process_group(g)
     finally:
         for name in _ROUTED:
@@ -450,8 +471,8 @@ def digested_routes():
 
 
 def test_the_adapter_digests_the_common_cases_and_hands_the_rest_to_python(worlds, backend):
-    """The C++ adapter takes the common broadcast, all_gather_into_tensor and
-    all_to_all_single apart itself and calls the group's ``_*_digested`` method with
+    """The C++ adapter takes the common broadcast, all_gather_into_tensor,
+    all_to_all_single and reduce_scatter_tensor apart itself and calls the group's ``_*_digested`` method with
     numbers; a strided tensor goes to the Python method at once, and a call the digested
     method declines (input and output overlapping) goes on to it, whose fast path ends in the
     same digested method. Values against formulas."""
@@ -468,3 +489,7 @@ def test_the_adapter_digests_the_common_cases_and_hands_the_rest_to_python(world
         # in the same method), then the full path
         assert r["all_to_all overlapping"][1] == ["_all_to_all_single_digested", "all_to_all_single",
                                                   "_all_to_all_single_digested"], r
+        assert r["reduce_scatter"][1] == r["reduce_scatter max async"][1] == ["_reduce_scatter_single_digested"], r
+        assert r["reduce_scatter overlapping"][1] == ["_reduce_scatter_single_digested", "reduce_scatter_single",
+                                                      "_reduce_scatter_single_digested"], r
+        assert r["reduce_scatter premul"][1] == ["reduce_scatter_single"], r

@@ -269,12 +269,29 @@ class Reduction(SparseReduction):
         if op == options.PREMUL_SUM or (op, output.dtype) not in options._VALID_OP_DTYPES:
             return SLOW
         es = output.element_size()
-        out_ptr, in_ptr, out_bytes, in_bytes = output.data_ptr(), input.data_ptr(), numel * es, input.numel() * es
-        if (in_ptr < out_ptr + out_bytes and out_ptr < in_ptr + in_bytes) or (in_ptr | out_ptr) % es:
-            return SLOW  # overlapping (the full path copies the input first) or not aligned (it stages)
+        out_ptr, in_ptr = output.data_ptr(), input.data_ptr()
+        if (in_ptr | out_ptr) % es:
+            return SLOW  # not aligned to the element size: the full path stages them
+        return self._reduce_scatter_single_digested(output, input, in_ptr, input.numel() * es, out_ptr, numel * es,
+                                                    numel, dtype, op, opts.asyncOp)
+
+    def _reduce_scatter_single_digested(self, output, input, in_ptr: int, in_bytes: int, out_ptr: int,
+                                        out_bytes: int, numel: int, dtype: str, op: int, async_op: bool):
+        """The common reduce-scatter once both tensors (CPU, strided, contiguous, no lazy bits,
+        one core dtype, aligned; ``output`` not empty, of ``numel`` elements and ``out_bytes``
+        bytes, ``input`` ``world_size`` times it) and the options (no per-call timeout, an
+        ``op`` that :func:`~flagos_shm.backend.options.fast_op_table` allows for ``dtype``)
+        are checked, by the c10d adapter in C++ (FSDP2's ``reduce_scatter_tensor``) or by
+        :meth:`_reduce_scatter_single_fast`: overlap and the group's state are checked here.
+        Returns what :meth:`reduce_scatter_single` would, or :data:`~.base.SLOW` (nothing
+        done)."""
+        if (self._pending and self._writing_back()) or self._closed or self._coalesced is not None:
+            return SLOW
+        if in_ptr < out_ptr + out_bytes and out_ptr < in_ptr + in_bytes:
+            return SLOW  # overlapping: the full path copies the input first
         comm = self._comm
         return self._fast_call("reduce_scatter_single", [output], lambda done: comm.reduce_scatter(
-            in_ptr, in_bytes, out_ptr, out_bytes, numel, dtype, op, 1.0, None, done), opts.asyncOp, (input,))
+            in_ptr, in_bytes, out_ptr, out_bytes, numel, dtype, op, 1.0, None, done), async_op, (input,))
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> ShmWork:
         """``reduce_scatter_single`` of each ``(outputs[i], inputs[i])`` pair, as one core

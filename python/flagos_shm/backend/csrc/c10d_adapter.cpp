@@ -286,6 +286,7 @@ class ShmBackend : public c10d::Backend {
     digested_broadcast_ = group_.attr("_broadcast_digested");
     digested_allgather_ = group_.attr("_all_gather_single_digested");
     digested_alltoall_ = group_.attr("_all_to_all_single_digested");
+    digested_reduce_scatter_ = group_.attr("_reduce_scatter_single_digested");
     staged_allreduce_ = group_.attr("_allreduce_staged");
     can_stage_ = group_.attr("_can_stage_directly");
     slow_ = py::module_::import("flagos_shm.backend.collectives.base").attr("SLOW");
@@ -314,6 +315,7 @@ class ShmBackend : public c10d::Backend {
     release(digested_broadcast_);
     release(digested_allgather_);
     release(digested_alltoall_);
+    release(digested_reduce_scatter_);
     release(staged_allreduce_);
     release(can_stage_);
     release(slow_);
@@ -488,6 +490,19 @@ class ShmBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> _reduce_scatter_base(at::Tensor& output, at::Tensor& input,
                                                       const c10d::ReduceScatterOptions& opts) override {
     const auto op = static_cast<uint32_t>(opts.reduceOp.op_);
+    // FSDP2's gradient reduce-scatter on CPU tensors, taken apart here (overlap: Python).
+    if (const FastType* pair = fast_cpu_pair(output, input, opts.timeout, output.numel() * getSize());
+        pair != nullptr && op < 32 && (pair->ops >> op & 1U) != 0) {
+      py::gil_scoped_acquire gil;
+      const auto es = static_cast<int64_t>(output.element_size());
+      py::object result = digested_reduce_scatter_(output, input, reinterpret_cast<uintptr_t>(input.data_ptr()),
+                                                   input.numel() * es, reinterpret_cast<uintptr_t>(output.data_ptr()),
+                                                   output.numel() * es, output.numel(), pair->name, op,
+                                                   opts.asyncOp);
+      if (!result.is(slow_)) {
+        return wrap(std::move(result), c10d::OpType::_REDUCE_SCATTER_BASE, {output});
+      }
+    }
     const FastType* fast = fast_type(input);
     if (!opts.asyncOp && opts.timeout == c10d::kUnsetTimeout && fast != nullptr && op < 32 &&
         (fast->ops >> op & 1U) != 0 && output.numel() * getSize() == input.numel() && output.numel() > 0 &&
@@ -720,19 +735,20 @@ class ShmBackend : public c10d::Backend {
     return &fast;
   }
 
-  // The dtype's entry if `input` and `output` are both CPU tensors that `fast_type` takes, of
-  // one dtype, `input` not empty and `output` of `output_numel` elements, and no per-call
-  // timeout was given; else nullptr. (The digested two-tensor calls: allgather, all-to-all.)
+  // The dtype's entry if `first` and `second` are both CPU tensors that `fast_type` takes, of
+  // one dtype, `first` not empty and `second` of `second_numel` elements, and no per-call
+  // timeout was given; else nullptr. (The digested two-tensor calls: allgather and all-to-all
+  // pass (input, output), reduce-scatter (output, input).)
   template <typename Timeout>
-  const FastType* fast_cpu_pair(const at::Tensor& input, const at::Tensor& output, const Timeout& timeout,
-                                int64_t output_numel) const {
-    if (timeout != c10d::kUnsetTimeout || !input.defined() || !output.defined() || !input.device().is_cpu() ||
-        !output.device().is_cpu() || input.scalar_type() != output.scalar_type() || input.numel() == 0 ||
-        output.numel() != output_numel) {
+  const FastType* fast_cpu_pair(const at::Tensor& first, const at::Tensor& second, const Timeout& timeout,
+                                int64_t second_numel) const {
+    if (timeout != c10d::kUnsetTimeout || !first.defined() || !second.defined() || !first.device().is_cpu() ||
+        !second.device().is_cpu() || first.scalar_type() != second.scalar_type() || first.numel() == 0 ||
+        second.numel() != second_numel) {
       return nullptr;
     }
-    const FastType* fast = fast_type(input);
-    return fast != nullptr && fast_type(output) != nullptr ? fast : nullptr;
+    const FastType* fast = fast_type(first);
+    return fast != nullptr && fast_type(second) != nullptr ? fast : nullptr;
   }
 
   py::object group_;
@@ -741,6 +757,7 @@ class ShmBackend : public c10d::Backend {
   py::object digested_broadcast_;
   py::object digested_allgather_;
   py::object digested_alltoall_;
+  py::object digested_reduce_scatter_;
   py::object staged_allreduce_;
   py::object can_stage_;
   py::object slow_;  // what the Python side returns when the call needs the full path
