@@ -1,17 +1,21 @@
 """Shutdown with queued work: ``destroy_process_group`` (which calls the group's
 ``shutdown``) on a rank with asynchronous collectives that its peers never issue returns
 promptly instead of waiting the group timeout for each; the queued works raise
-``RuntimeError`` saying so, the running one is cut short by the abort.
+``RuntimeError`` saying so, the running one is cut short by the abort. A process that exits
+with such work shuts its group down the same way at exit.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 from support.harness import World
+from support.spawn import spawn
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -52,3 +56,74 @@ def test_destroy_with_unmatched_queued_collectives_is_prompt(backend):
     assert all(e is not None for e in res["errors"]), res
     queued = [e for e in res["errors"] if "shut down with this collective still queued" in e]
     assert len(queued) >= 2, res
+
+
+def rank_exits_with_queued_work(rank: int, world_size: int, tmp: str) -> dict:
+    """Rank 0 queues an all_reduce that rank 1 does not issue and exits without waiting for
+    it; rank 1 issues it once rank 0's process has ended."""
+    import flagos_shm  # noqa: F401  (registers the backend and its exit handler)
+    from flagos_shm import _core
+
+    dist.init_process_group("flagos_shm", init_method="file://" + os.path.join(tmp, "store"), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    t = torch.ones(1 << 12)
+    dist.all_reduce(t)  # both ranks set up and in step
+    pid_file = os.path.join(tmp, "rank0.pid")
+    if rank == 0:
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(pid_file + ".tmp", pid_file)
+        dist.all_reduce(t, async_op=True)  # queued, never waited for: left to the exit handler
+        return {"sum": t[0].item()}
+    end = time.monotonic() + GROUP_TIMEOUT_S
+    while not os.path.exists(pid_file):
+        assert time.monotonic() < end, "rank 0 did not write its pid"
+        time.sleep(0.01)
+    pid = int(open(pid_file).read())
+    while not _core.process_exited(pid):
+        assert time.monotonic() < end, "rank 0 did not exit"
+        time.sleep(0.01)
+    try:
+        dist.all_reduce(t)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"sum": t[0].item(), "error": error}
+
+
+def test_exit_with_queued_work_shuts_the_group_down():
+    """A process that exits with an asynchronous collective still queued (never waited
+    for) shuts its group down at exit, as ``destroy_process_group`` would: the peer's
+    matching call then fails at once saying the group was aborted by that rank. Before, the
+    queued call could finish on the progress thread after the interpreter had finalized and
+    the process aborted (SIGABRT, 'terminate called without an active exception'); and
+    the peer's call completed with what the exited rank had left in its slot, or failed on
+    its death."""
+    res = spawn(rank_exits_with_queued_work, 2, timeout=3 * GROUP_TIMEOUT_S)
+    assert res[0] == {"sum": 2.0}, res
+    assert res[1]["error"] is not None and "aborted by rank 0" in res[1]["error"], res
+
+
+def rank_calls_after_the_exit_handler(rank: int, world_size: int, tmp: str) -> dict:
+    import flagos_shm  # noqa: F401  (registers the backend and its exit handler)
+    from flagos_shm.backend.collectives import base
+
+    dist.init_process_group("flagos_shm", init_method="file://" + os.path.join(tmp, "store"), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    t = torch.full((1 << 12,), float(rank + 1))
+    dist.all_reduce(t)
+    base._shut_down_busy_groups_at_exit()  # what the interpreter's exit runs
+    work = dist.all_reduce(t, async_op=True)
+    completed_at_return = work.is_completed()
+    work.wait()
+    dist.destroy_process_group()
+    return {"completed_at_return": completed_at_return, "value": t[0].item()}
+
+
+def test_calls_after_the_exit_handler_run_inline():
+    """After the exit handler (an ``atexit`` handler registered before ``import flagos_shm``
+    runs after it), an ``async_op=True`` call runs inline and returns a completed work with
+    the right value: none of its completion callbacks is left for the progress thread to
+    run while the interpreter finalizes."""
+    for rank, res in enumerate(spawn(rank_calls_after_the_exit_handler, 2, timeout=3 * GROUP_TIMEOUT_S)):
+        assert res == {"completed_at_return": True, "value": 6.0}, (rank, res)

@@ -16,8 +16,54 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// Set by [`python_exiting`]: completion callbacks on progress threads no longer call into
+/// Python.
+static PYTHON_EXITING: AtomicBool = AtomicBool::new(false);
+/// Completion callbacks between their look at [`PYTHON_EXITING`] and their return.
+static CALLBACKS_RUNNING: AtomicUsize = AtomicUsize::new(0);
+
+/// Tells the binding that the interpreter is exiting (`flagos_shm` calls it from an `atexit`
+/// handler, which runs before the interpreter finalizes, after shutting down the groups that
+/// still had queued work): from now on a completion callback that runs on a progress thread
+/// does not take the GIL; it is leaked, with the tensors it holds, so memory a call still
+/// running uses stays valid until the process exits. Returns once the callbacks already
+/// running have returned (the GIL released meanwhile, so that they can finish).
+///
+/// Without it, a call queued with `async_op=True` and never waited for could finish after
+/// Python had finalized: its callback's GIL request then panicked in pyo3 or, during
+/// finalization, ended the thread through a forced unwind, and the process aborted
+/// ("terminate called without an active exception", SIGABRT at exit).
+#[pyfunction]
+pub(super) fn python_exiting(py: Python<'_>) {
+    PYTHON_EXITING.store(true, SeqCst);
+    // SeqCst on both sides (the store above, the callbacks' increment before their load): a
+    // callback this loop does not see running sees the flag.
+    py.detach(|| {
+        while CALLBACKS_RUNNING.load(SeqCst) > 0 {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    });
+}
+
+/// Counts a completion callback as running until dropped.
+struct CallbackRunning;
+
+impl CallbackRunning {
+    fn enter() -> CallbackRunning {
+        CALLBACKS_RUNNING.fetch_add(1, SeqCst);
+        CallbackRunning
+    }
+}
+
+impl Drop for CallbackRunning {
+    fn drop(&mut self) {
+        CALLBACKS_RUNNING.fetch_sub(1, SeqCst);
+    }
+}
 
 /// One rank's handle on a group's shared-memory segment (see `rust/algorithms/`).
 ///
@@ -119,6 +165,11 @@ impl PyCommunicator {
         Ok(self.inner.submit(
             Box::new(move |comm| with_timeout(comm, t, f)),
             Box::new(move |result| {
+                let _running = CallbackRunning::enter();
+                if PYTHON_EXITING.load(SeqCst) && progress::on_progress_thread() {
+                    std::mem::forget(callback); // see `python_exiting`
+                    return;
+                }
                 Python::attach(|py| {
                     let arg = match result {
                         Ok(()) => py.None(),

@@ -15,11 +15,13 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Callable, Optional
 
@@ -44,6 +46,44 @@ SLOW = object()
 _CORE_DTYPES = staging.CORE_DTYPES  # real dtypes only: complex tensors take the full path
 _STRIDED = torch.strided
 _UNSET_TIMEOUT = options._UNSET_TIMEOUT
+
+
+#: The groups this process set up (held weakly), for :func:`_shut_down_busy_groups_at_exit`.
+_groups: "weakref.WeakSet[CollectiveBase]" = weakref.WeakSet()
+
+
+def _shut_down_busy_groups_at_exit() -> None:
+    """At interpreter exit, keep completion callbacks off the progress threads once Python
+    may no longer run them:
+
+    * each group of this process that still has asynchronous work queued or running (a
+      call made with ``async_op=True``, or by DDP, and never waited for) is shut down as
+      :meth:`CollectiveBase.shutdown` does: the work is aborted, so it fails with
+      RuntimeError here and the peers' matching calls fail at once too, as for a rank
+      that exits, and its callbacks run now, while Python can run them;
+    * the other groups run later calls inline (as with ``FLAGOS_SHM_ASYNC=0``): an
+      ``async_op=True`` call made after this (by an ``atexit`` handler registered before
+      ``import flagos_shm``) returns a completed work;
+    * ``_core.python_exiting`` keeps any callback still left (a call queued by another
+      thread meanwhile) out of Python.
+
+    A queued call's callback used to run on the progress thread after the interpreter had
+    finalized: two ranks exiting with ten 256 KiB ``reduce_scatter_tensor(async_op=True)``
+    calls not waited for, 8 runs (Intel Xeon VM), printed a panic of the progress thread in 5
+    and aborted with SIGABRT ("terminate called without an active exception") in 1.
+    Registered with :func:`atexit.register` when this module is imported, so it runs after
+    the ``atexit`` handlers registered later (a user's ``destroy_process_group`` at exit)."""
+    for group in list(_groups):
+        if group._pid != os.getpid() or group._closed:
+            continue
+        group._async = False
+        if group._busy():
+            with contextlib.suppress(Exception):
+                group.shutdown()
+    _core.python_exiting()
+
+
+atexit.register(_shut_down_busy_groups_at_exit)
 
 
 def fast_dtype(t) -> Optional[str]:
@@ -182,6 +222,7 @@ class CollectiveBase:
 
             self._comm = HierarchicalComm(store, layout, rank, world_size, timeout_s, where)
             self._plan, self._plan_source = self._comm.plan, self._comm.plan_source
+        _groups.add(self)
 
     def set_timeout(self, timeout) -> None:
         """Set the default timeout of later collectives (``timedelta`` or seconds > 0).
@@ -269,6 +310,11 @@ class CollectiveBase:
         self._writing_back()`` (nothing to do when the list is empty)."""
         self._pending = [(w, e) for w, e in self._pending if not w.is_completed()]
         return bool(self._pending)
+
+    def _busy(self) -> bool:
+        """Whether an asynchronous call of this group has not completed yet."""
+        self._prune_inflight()
+        return bool(self._inflight) or any(not w.is_completed() for w, _ in self._pending)
 
     def _prune_inflight(self) -> None:
         """Forget the finished works at the front of ``_inflight`` (they finish in order)."""
