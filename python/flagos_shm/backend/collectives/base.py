@@ -314,7 +314,7 @@ class CollectiveBase:
     def _busy(self) -> bool:
         """Whether an asynchronous call of this group has not completed yet."""
         self._prune_inflight()
-        return bool(self._inflight) or any(not w.is_completed() for w, _ in self._pending)
+        return bool(self._inflight) or self._writing_back()
 
     def _prune_inflight(self) -> None:
         """Forget the finished works at the front of ``_inflight`` (they finish in order)."""
