@@ -298,11 +298,13 @@ impl Communicator {
     }
 
     /// Whether a local copy of `n` bytes uses streaming stores: a single-copy collective's
-    /// own piece, or, in a group of one rank, the whole message of an allgather, gather,
-    /// scatter or all-to-all (`algorithms`, "n = 1"). From [`crate::stream::LOCAL_MIN_BYTES`],
-    /// unless the mode is [`crate::stream::Mode::Plain`].
+    /// own piece, from [`crate::stream::LOCAL_MIN_BYTES`], or, in a group of one rank, the
+    /// whole message of an allgather, gather, scatter or all-to-all (`algorithms`,
+    /// "n = 1"), from [`crate::stream::ALONE_MIN_BYTES`]; never in mode
+    /// [`crate::stream::Mode::Plain`].
     pub(crate) fn streams_local(&self, n: usize) -> bool {
-        self.streamer.mode() != crate::stream::Mode::Plain && n >= crate::stream::LOCAL_MIN_BYTES
+        let min = if self.n == 1 { crate::stream::ALONE_MIN_BYTES } else { crate::stream::LOCAL_MIN_BYTES };
+        self.streamer.mode() != crate::stream::Mode::Plain && n >= min
     }
 
     /// Whether an allreduce of `bytes` through the slots takes the one-shot algorithm (a

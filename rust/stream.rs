@@ -41,9 +41,8 @@ pub enum Mode {
 }
 
 /// A single-copy allgather's or all-to-all's copy of its own piece (from its input into its
-/// output, in this process; at world size 1, the whole message of an allgather, gather,
-/// scatter or all-to-all, which was not measured apart) uses streaming stores from this
-/// many bytes on, in modes [`Mode::Auto`] and [`Mode::Stream`]
+/// output, in this process) uses streaming stores from this many bytes on, in modes
+/// [`Mode::Auto`] and [`Mode::Stream`]
 /// (`crate::group::Communicator::streams_local`): the output is far larger than the L2
 /// then, so a plain store's read-for-ownership only adds memory traffic. On the Intel Xeon
 /// 2-vCPU VM (Sapphire Rapids class, 2 MiB L2 per core, 2026-12-05, two ranks pinned,
@@ -56,6 +55,20 @@ pub enum Mode {
 /// kinds were within 10 % either way and at 1 MiB plain stores were faster (66 against
 /// 70-106 us), so the threshold is 4 MiB: twice the L2. Not measured on the AMD EPYC VM.
 pub const LOCAL_MIN_BYTES: usize = 4 << 20;
+/// In a group of one rank, the copy of an allgather's, gather's, scatter's or all-to-all's
+/// whole message (input to output, `crate::algorithms`, "n = 1") uses streaming stores from
+/// this many bytes on, in modes [`Mode::Auto`] and [`Mode::Stream`]: from where its source
+/// and destination together no longer fit the L2, a plain store's read-for-ownership
+/// fetches every destination line from further out. On the Intel Xeon 2-vCPU VM (2 MiB
+/// L2 per core, 260 MiB L3; 2026-12-06, one process pinned, a scratch build streaming
+/// from 4 KiB, `all_gather_into_tensor` and `all_to_all_single` through `dist.*` in a group
+/// of plain stores and one of streaming stores, alternated, median of ten rounds of
+/// medians) streaming took 1 MiB from 50-52 to 55-58 us, tied at 1088 KiB (0.97-0.99 of
+/// plain), won from 1152 KiB (67-72 against 64-66 us) and by 20-30 % from 1.5 MiB to
+/// 64 MiB (2 MiB 162-167 against 118-121 us, 16 MiB 1305 against 1045-1048, 64 MiB
+/// 5285-5541 against 4226-4241). Both ops gave the same figures. Not measured on the AMD
+/// EPYC VM.
+pub const ALONE_MIN_BYTES: usize = 1152 << 10;
 /// Copies into a slot smaller than this stay plain in every mode (a few lines).
 pub const MIN_BYTES: usize = 4 << 10;
 /// In [`Mode::Auto`], calls moving fewer bytes than this (S, as the plan counts them)

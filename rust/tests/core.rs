@@ -1018,10 +1018,10 @@ fn world_size_one_works_where_the_data_lies_bit_for_bit() {
     // input keeps its bits (NaN payloads, -0.0) or, PREMUL_SUM, scales each element; the
     // copies copy, also past the streaming threshold and in place; a call after an abort
     // still fails, and the sequence goes on (the descriptor is taken as always).
-    use flagos_shm::stream::LOCAL_MIN_BYTES;
+    use flagos_shm::stream::ALONE_MIN_BYTES;
     let results = with_group(1, SLOT, |_, c| {
         let mut bad = Vec::new();
-        let count = LOCAL_MIN_BYTES / 4 + 5;
+        let count = ALONE_MIN_BYTES / 4 + 5;
         let x: Vec<u32> = (0..count)
             .map(|i| match i % 5 {
                 0 => 0x8000_0000, // -0.0
