@@ -8,6 +8,8 @@ with such work shuts its group down the same way at exit.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 import time
 from datetime import timedelta
 
@@ -127,3 +129,82 @@ def test_calls_after_the_exit_handler_run_inline():
     run while the interpreter finalizes."""
     for rank, res in enumerate(spawn(rank_calls_after_the_exit_handler, 2, timeout=3 * GROUP_TIMEOUT_S)):
         assert res == {"completed_at_return": True, "value": 6.0}, (rank, res)
+
+
+# A C function the interpreter runs at the very end of its finalization (``Py_AtExit``):
+# it says so in a file, then keeps the process alive for a while, so that a daemon thread's
+# call can end while the interpreter is finalized.
+SLOW_EXIT_C = r"""
+#include <fcntl.h>
+#include <stdlib.h>
+#include <unistd.h>
+#ifdef __cplusplus
+extern "C"
+#endif
+void slow_exit(void) {
+    const char *path = getenv("FLAGOS_TEST_FINALIZING");
+    if (path) close(open(path, O_CREAT | O_WRONLY, 0600));
+    usleep(5 * 1000 * 1000);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def slow_exit_lib(tmp_path_factory):
+    """A shared library with :data:`SLOW_EXIT_C`'s ``slow_exit``, built with the C++ compiler
+    the C++ adapter needs anyway."""
+    compiler = os.environ.get("CXX", "c++").split()[0]
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler {compiler!r}")
+    d = tmp_path_factory.mktemp("slow_exit")
+    (d / "slow_exit.cc").write_text(SLOW_EXIT_C)
+    subprocess.run([compiler, "-shared", "-fPIC", "-o", str(d / "slow_exit.so"), str(d / "slow_exit.cc")],
+                   check=True, capture_output=True, timeout=120)
+    return str(d / "slow_exit.so")
+
+
+def rank_finalizes_with_a_daemon_thread_in_a_call(rank: int, world_size: int, tmp: str, lib: str) -> dict:
+    """Rank 0 leaves a daemon thread blocked in an all_reduce that rank 1 never matches and
+    returns; rank 1 exits once rank 0's interpreter is finalized, so the daemon thread's call
+    fails (its peer died) then, and rank 0's exit status tells what it did."""
+    import ctypes
+    import threading
+
+    import flagos_shm  # noqa: F401  (registers the backend and its exit handler)
+
+    dist.init_process_group("flagos_shm", init_method="file://" + os.path.join(tmp, "store"), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    t = torch.ones(1 << 10)
+    dist.all_reduce(t)  # both ranks set up and in step
+    total = t[0].item()
+    finalizing = os.path.join(tmp, "rank0.finalizing")
+    if rank == 0:
+        entered = threading.Event()
+
+        def blocked() -> None:
+            entered.set()
+            dist.all_reduce(t)
+
+        threading.Thread(target=blocked, daemon=True).start()
+        entered.wait()
+        time.sleep(0.5)  # into the call, which waits for rank 1
+        os.environ["FLAGOS_TEST_FINALIZING"] = finalizing
+        ctypes.pythonapi.Py_AtExit(ctypes.cast(ctypes.CDLL(lib).slow_exit, ctypes.c_void_p))
+        return {"sum": total}
+    end = time.monotonic() + GROUP_TIMEOUT_S
+    while not os.path.exists(finalizing):
+        assert time.monotonic() < end, "rank 0 did not finalize"
+        time.sleep(0.01)
+    return {"sum": total}
+
+
+def test_a_daemon_threads_call_ending_while_python_finalizes_does_not_abort(slow_exit_lib):
+    """A daemon thread left in a collective when the main thread returns, whose call ends
+    (here: its peer exits) while the interpreter finalizes, stays out of Python: the process
+    exits with status 0. Before, the thread's signal checks and then its return asked for
+    the GIL during finalization: pyo3 panicked, or CPython ended the thread with
+    ``pthread_exit``, whose forced unwind through the binding aborted the process ('FATAL:
+    exception not rethrown', SIGABRT, every run); Gloo's collectives abort the same way."""
+    res = spawn(rank_finalizes_with_a_daemon_thread_in_a_call, 2, args=(slow_exit_lib,),
+                timeout=3 * GROUP_TIMEOUT_S)
+    assert res == [{"sum": 2.0}, {"sum": 2.0}], res

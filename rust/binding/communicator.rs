@@ -7,6 +7,7 @@ use super::convert::{
     dtype, dtypes, duration, host_buf, host_bufs, in_out, in_outs, plan_dict, plan_from_dict, reduce_op, stream_mode, timeout,
 };
 use super::errors::{to_py, Pending};
+use super::exit::{self, detach_blocking};
 use crate::algorithms::{AbortHandle, Communicator, Kind};
 use crate::error::Error;
 use crate::group::Settings;
@@ -16,54 +17,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// Set by [`python_exiting`]: completion callbacks on progress threads no longer call into
-/// Python.
-static PYTHON_EXITING: AtomicBool = AtomicBool::new(false);
-/// Completion callbacks between their look at [`PYTHON_EXITING`] and their return.
-static CALLBACKS_RUNNING: AtomicUsize = AtomicUsize::new(0);
-
-/// Tells the binding that the interpreter is exiting (`flagos_shm` calls it from an `atexit`
-/// handler, which runs before the interpreter finalizes, after shutting down the groups that
-/// still had queued work): from now on a completion callback that runs on a progress thread
-/// does not take the GIL; it is leaked, with the tensors it holds, so memory a call still
-/// running uses stays valid until the process exits. Returns once the callbacks already
-/// running have returned (the GIL released meanwhile, so that they can finish).
-///
-/// Without it, a call queued with `async_op=True` and never waited for could finish after
-/// Python had finalized: its callback's GIL request then panicked in pyo3 or, during
-/// finalization, ended the thread through a forced unwind, and the process aborted
-/// ("terminate called without an active exception", SIGABRT at exit).
-#[pyfunction]
-pub(super) fn python_exiting(py: Python<'_>) {
-    PYTHON_EXITING.store(true, SeqCst);
-    // SeqCst on both sides (the store above, the callbacks' increment before their load): a
-    // callback this loop does not see running sees the flag.
-    py.detach(|| {
-        while CALLBACKS_RUNNING.load(SeqCst) > 0 {
-            std::thread::sleep(Duration::from_micros(200));
-        }
-    });
-}
-
-/// Counts a completion callback as running until dropped.
-struct CallbackRunning;
-
-impl CallbackRunning {
-    fn enter() -> CallbackRunning {
-        CALLBACKS_RUNNING.fetch_add(1, SeqCst);
-        CallbackRunning
-    }
-}
-
-impl Drop for CallbackRunning {
-    fn drop(&mut self) {
-        CALLBACKS_RUNNING.fetch_sub(1, SeqCst);
-    }
-}
 
 /// One rank's handle on a group's shared-memory segment (see `rust/algorithms/`).
 ///
@@ -140,7 +95,7 @@ impl PyCommunicator {
     ) -> PyResult<R> {
         self.check_owner()?;
         let t = timeout(timeout_s)?;
-        py.detach(|| self.inner.run(|comm| with_timeout(comm, t, f))).map_err(|e| to_py(e, Some(&self.pending)))
+        detach_blocking(py, || self.inner.run(|comm| with_timeout(comm, t, f))).map_err(|e| to_py(e, Some(&self.pending)))
     }
 
     /// Runs collective `f` inline (`done` is None: returns 0 when it has finished, raising
@@ -165,9 +120,9 @@ impl PyCommunicator {
         Ok(self.inner.submit(
             Box::new(move |comm| with_timeout(comm, t, f)),
             Box::new(move |result| {
-                let _running = CallbackRunning::enter();
-                if PYTHON_EXITING.load(SeqCst) && progress::on_progress_thread() {
-                    std::mem::forget(callback); // see `python_exiting`
+                let (_entry, may_enter) = exit::Entry::enter(false);
+                if !may_enter {
+                    std::mem::forget(callback); // see `exit::python_exiting`
                     return;
                 }
                 Python::attach(|py| {
@@ -274,13 +229,7 @@ communicator_methods! {
                 if progress::on_progress_thread() {
                     return false; // signals are handled by the thread waiting on the work
                 }
-                Python::attach(|py| match py.check_signals() {
-                    Ok(()) => false,
-                    Err(e) => {
-                        *hook_pending.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                        true
-                    }
-                })
+                exit::signal_raised(&hook_pending)
             };
             let mut comm = py
                 .detach(|| {
@@ -395,16 +344,8 @@ communicator_methods! {
         fn wait_ticket(&self, py: Python<'_>, ticket: u64) -> PyResult<()> {
             self.check_owner()?;
             let raised: Pending = Arc::new(Mutex::new(None));
-            let stop = || {
-                Python::attach(|py| match py.check_signals() {
-                    Ok(()) => false,
-                    Err(e) => {
-                        *raised.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                        true
-                    }
-                })
-            };
-            if py.detach(|| self.inner.help_until_or(ticket, &stop)) {
+            let stop = || exit::signal_raised(&raised);
+            if detach_blocking(py, || self.inner.help_until_or(ticket, &stop)) {
                 return Ok(());
             }
             let err = raised.lock().unwrap_or_else(|p| p.into_inner()).take();

@@ -21,7 +21,8 @@
 //! (point-to-point between two ranks) in `p2p.rs`, `copy_bytes` (the host copy of
 //! `flagos_shm.staging`) in `staging.rs`, `reduce_into` / `convert_into` (host reductions of
 //! the multi-node hierarchy) in `reduce.rs`; the mapping of the core's errors to exceptions
-//! in `errors.rs`, and of Python values to the core's types in `convert.rs`.
+//! in `errors.rs`, and of Python values to the core's types in `convert.rs`; keeping the
+//! binding's threads out of an exiting interpreter (`python_exiting`) in `exit.rs`.
 
 use crate::algorithms::{Kind, ONE_SHOT_MAX_BYTES};
 use crate::reduce::{DType, ReduceOp, Reduction};
@@ -34,6 +35,7 @@ use std::path::Path;
 mod communicator;
 mod convert;
 mod errors;
+mod exit;
 mod p2p;
 mod reduce;
 mod staging;
@@ -102,7 +104,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(default_slot_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(segment_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(process_exited, m)?)?;
-    m.add_function(wrap_pyfunction!(communicator::python_exiting, m)?)?;
+    m.add_function(wrap_pyfunction!(exit::python_exiting, m)?)?;
     m.add_function(wrap_pyfunction!(staging::copy_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(reduce::reduce_into, m)?)?;
     m.add_function(wrap_pyfunction!(reduce::convert_into, m)?)?;

@@ -3,6 +3,7 @@
 
 use super::convert::{duration, host_buf};
 use super::errors::to_py;
+use super::exit::detach_blocking;
 use pyo3::prelude::*;
 use std::path::Path;
 
@@ -56,21 +57,21 @@ impl PyP2PChannel {
     fn send(&self, py: Python<'_>, ptr: usize, nbytes: usize, tag: i64, timeout_s: f64) -> PyResult<()> {
         let buf = host_buf("ptr", ptr, nbytes)?;
         let t = duration("timeout_s", timeout_s)?;
-        py.detach(move || self.inner.send(&buf, tag, t)).map_err(|e| to_py(e, None))
+        detach_blocking(py, move || self.inner.send(&buf, tag, t)).map_err(|e| to_py(e, None))
     }
 
     /// Receives the next message with `tag` (exactly `nbytes` bytes) into `ptr`.
     fn recv(&self, py: Python<'_>, ptr: usize, nbytes: usize, tag: i64, timeout_s: f64) -> PyResult<()> {
         let buf = host_buf("ptr", ptr, nbytes)?;
         let t = duration("timeout_s", timeout_s)?;
-        py.detach(move || self.inner.recv(&buf, tag, t)).map_err(|e| to_py(e, None))
+        detach_blocking(py, move || self.inner.recv(&buf, tag, t)).map_err(|e| to_py(e, None))
     }
 
     /// Like `recv`, but returns False at once if no message with `tag` is there yet.
     fn try_recv(&self, py: Python<'_>, ptr: usize, nbytes: usize, tag: i64, timeout_s: f64) -> PyResult<bool> {
         let buf = host_buf("ptr", ptr, nbytes)?;
         let t = duration("timeout_s", timeout_s)?;
-        py.detach(move || self.inner.try_recv(&buf, tag, t)).map_err(|e| to_py(e, None))
+        detach_blocking(py, move || self.inner.try_recv(&buf, tag, t)).map_err(|e| to_py(e, None))
     }
 
     /// Aborts the pair: both sides' waiting and later calls raise RuntimeError.

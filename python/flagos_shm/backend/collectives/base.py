@@ -64,8 +64,10 @@ def _shut_down_busy_groups_at_exit() -> None:
     * the other groups run later calls inline (as with ``FLAGOS_SHM_ASYNC=0``): an
       ``async_op=True`` call made after this (by an ``atexit`` handler registered before
       ``import flagos_shm``) returns a completed work;
-    * ``_core.python_exiting`` keeps any callback still left (a call queued by another
-      thread meanwhile) out of Python.
+    * ``_core.python_exiting`` keeps the binding's other threads out of Python from then
+      on (``rust/binding/exit.rs``): a callback still left (a call queued by another thread
+      meanwhile) is leaked, and a daemon thread still in a call stops checking for signals
+      and, if its call ends while the interpreter finalizes, parks until the process exits.
 
     A queued call's callback used to run on the progress thread after the interpreter had
     finalized: two ranks exiting with ten 256 KiB ``reduce_scatter_tensor(async_op=True)``

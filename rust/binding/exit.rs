@@ -1,0 +1,145 @@
+//! Keeping the binding's threads out of an interpreter that is exiting.
+//!
+//! Three kinds of code here enter Python from a thread that does not hold the GIL: the
+//! completion callbacks of queued calls (on the progress thread, or on a thread waiting
+//! for them), the signal checks of a thread waiting in a call, and the return of a
+//! blocking call to its Python caller. Once CPython finalizes, none of them may: a GIL
+//! request from a thread other than the finalizing one ends that thread with
+//! `pthread_exit` (CPython 3.11-3.13; 3.14 blocks it forever instead), whose forced unwind
+//! through this module's Rust frames aborts the process ("FATAL: exception not rethrown",
+//! "terminate called without an active exception"), and pyo3 panics when its first GIL
+//! request comes after finalization ("The Python interpreter is not initialized"). Gloo
+//! aborts the same way when a daemon thread's collective ends during finalization.
+//!
+//! So `flagos_shm`'s `atexit` handler calls [`python_exiting`]: from then on, on every
+//! thread but the one exiting (the one that ran the handler, which finalizes), a callback
+//! on a progress thread is leaked, a waiting call stops checking for signals, and a
+//! blocking call that returns while the interpreter finalizes parks its thread until the
+//! process exits ([`detach_blocking`]), as CPython 3.14 does with such threads.
+
+use pyo3::prelude::*;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+use std::sync::{Mutex, OnceLock};
+use std::thread::ThreadId;
+use std::time::Duration;
+
+/// Set by [`python_exiting`].
+static PYTHON_EXITING: AtomicBool = AtomicBool::new(false);
+/// The thread that called [`python_exiting`]: the one running the `atexit` handlers, which
+/// goes on to finalize the interpreter.
+static EXITING_THREAD: OnceLock<ThreadId> = OnceLock::new();
+/// Threads between their look at [`PYTHON_EXITING`] and their return from Python
+/// ([`Entry`]).
+static ENTRIES: AtomicUsize = AtomicUsize::new(0);
+
+/// Tells the binding that the interpreter is exiting (`flagos_shm` calls it from an `atexit`
+/// handler, which runs before the interpreter finalizes, after shutting down the groups that
+/// still had queued work). From now on, on threads other than the caller's:
+/// - a completion callback that runs on a progress thread does not take the GIL; it is
+///   leaked, with the tensors it holds, so memory a call still running uses stays valid
+///   until the process exits;
+/// - a thread waiting in a call no longer takes the GIL to check for signals;
+/// - a blocking call that returns once the interpreter finalizes does not return to Python:
+///   its thread parks until the process exits ([`detach_blocking`]).
+///
+/// Returns once the threads already inside Python on the binding's behalf have left it (the
+/// GIL released meanwhile, so that they can finish).
+///
+/// Without it, a call queued with `async_op=True` and never waited for could finish after
+/// Python had finalized, and a daemon thread's collective could end (a peer exited) while it
+/// finalized: the thread's GIL request then panicked in pyo3 or ended the thread through a
+/// forced unwind, and the process aborted (SIGABRT at exit).
+#[pyfunction]
+pub(super) fn python_exiting(py: Python<'_>) {
+    // The first caller's thread is the exiting one; a second call (a test) changes nothing.
+    let _ = EXITING_THREAD.set(std::thread::current().id());
+    PYTHON_EXITING.store(true, SeqCst);
+    // SeqCst on both sides (the store above, an entry's increment before its load): an
+    // entry this loop does not see sees the flag.
+    py.detach(|| {
+        while ENTRIES.load(SeqCst) > 0 {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    });
+}
+
+/// Whether [`python_exiting`] has run, on another thread than the calling one.
+fn exiting_elsewhere() -> bool {
+    PYTHON_EXITING.load(SeqCst) && EXITING_THREAD.get() != Some(&std::thread::current().id())
+}
+
+/// Counts a thread as about to enter Python, or inside it, until dropped; made before the
+/// thread looks at [`PYTHON_EXITING`], so [`python_exiting`] waits for it.
+pub(super) struct Entry(());
+
+impl Entry {
+    /// An entry, and whether it may go on into Python: false once [`python_exiting`] has
+    /// run and this is a progress thread (`on_progress_thread`) or any thread but the
+    /// exiting one (`anywhere`).
+    pub(super) fn enter(anywhere: bool) -> (Entry, bool) {
+        ENTRIES.fetch_add(1, SeqCst);
+        let barred = if anywhere { exiting_elsewhere() } else { PYTHON_EXITING.load(SeqCst) && crate::progress::on_progress_thread() };
+        (Entry(()), !barred)
+    }
+}
+
+impl Drop for Entry {
+    fn drop(&mut self) {
+        ENTRIES.fetch_sub(1, SeqCst);
+    }
+}
+
+/// A waiting thread's signal check (the interrupt hook of a call or of `wait_ticket`): takes
+/// the GIL to run Python's signal handlers; true when one raised, its exception left in
+/// `raised`. False without entering Python once [`python_exiting`] has run, except on the
+/// exiting thread.
+pub(super) fn signal_raised(raised: &Mutex<Option<PyErr>>) -> bool {
+    let (_entry, may_enter) = Entry::enter(true);
+    if !may_enter {
+        return false;
+    }
+    Python::attach(|py| match py.check_signals() {
+        Ok(()) => false,
+        Err(e) => {
+            *raised.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+            true
+        }
+    })
+}
+
+/// `py.detach(f)` for a call that may block (a collective, a wait, a point-to-point
+/// transfer): if `f` returns while the interpreter finalizes, on a thread other than the
+/// exiting one, the thread parks until the process exits instead of taking the GIL back
+/// (module docs). The check and CPython's finalization can still cross in the moment
+/// between the check and the GIL request; everything before it is covered.
+pub(super) fn detach_blocking<T: Send>(py: Python<'_>, f: impl Send + FnOnce() -> T) -> T {
+    py.detach(|| {
+        let out = f();
+        if exiting_elsewhere() && finalizing() {
+            loop {
+                std::thread::park();
+            }
+        }
+        out
+    })
+}
+
+/// Whether CPython is finalizing: `Py_IsFinalizing` (3.13 on) or `_Py_IsFinalizing`
+/// (3.9-3.12), which read one atomic field and need no GIL. The stable ABI this module is
+/// built against has neither, so they are looked up in the running process; false where
+/// neither is found.
+fn finalizing() -> bool {
+    type IsFinalizing = unsafe extern "C" fn() -> std::os::raw::c_int;
+    static FUNCTION: OnceLock<Option<IsFinalizing>> = OnceLock::new();
+    let f = FUNCTION.get_or_init(|| {
+        [c"Py_IsFinalizing", c"_Py_IsFinalizing"].into_iter().find_map(|name| {
+            // SAFETY: `name` is a NUL-terminated string; dlsym only reads it.
+            let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+            // SAFETY: both symbols are CPython functions `int f(void)` (Include/pylifecycle.h,
+            // Include/cpython/pylifecycle.h), so the pointer has this type.
+            (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut libc::c_void, IsFinalizing>(p) })
+        })
+    });
+    // SAFETY: a CPython function of this type that takes no lock and may run without the GIL.
+    f.is_some_and(|f| unsafe { f() } != 0)
+}
