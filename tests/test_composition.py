@@ -274,6 +274,24 @@ def child_monitored_barrier(rank: int, world_size: int, tmp: str) -> dict:
         dist.destroy_process_group()
 
 
+def child_monitored_barrier_dead(rank: int, world_size: int, tmp: str, victim: int) -> dict:
+    """Rank ``victim`` exits after a first monitored_barrier; the others call a second one
+    with a 120 s timeout and report their error and how long it took."""
+    from datetime import timedelta
+
+    _init(rank, world_size, tmp, "flagos_shm")
+    dist.monitored_barrier(timeout=timedelta(seconds=60))  # everybody arrives
+    if rank == victim:
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=120))
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    return {"error": error, "seconds": time.monotonic() - t0}
+
+
 def child_checkpoint(rank: int, world_size: int, tmp: str) -> dict:
     """DCP async_save / load of a sharded model, and set_model_state_dict(
     broadcast_from_rank0=True), over the mixed group."""
@@ -375,6 +393,24 @@ def test_monitored_barrier_names_the_missing_rank():
     assert all(r["all_arrived"] for r in results)
     assert "Rank 1 failed to pass monitoredBarrier" in results[0]["error"], results[0]
     assert results[0]["seconds"] < 20, results[0]
+
+
+def test_monitored_barrier_fails_at_once_when_a_rank_has_exited():
+    """A rank whose process has exited is not waited for (Gloo's closed connection fails
+    its monitored barrier within a second): with rank 1 of 3 gone, rank 0 names it as
+    exited and rank 2 hears that rank 0 reported missing ranks; with rank 0 of 2 gone, rank
+    1 says rank 0's process exited. Each well before the 120 s timeout, which they waited
+    out before."""
+    results = spawn(child_monitored_barrier_dead, 3, env=EMU_ENV, args=(1,), may_die=(1,), timeout=240)
+    assert results[1] is None, results
+    assert all(r["seconds"] < 60 for r in (results[0], results[2])), results
+    assert "Rank 1 failed to pass monitoredBarrier" in results[0]["error"], results[0]
+    assert "exited: rank 1 (pid " in results[0]["error"], results[0]
+    assert "rank 0 reported missing ranks" in results[2]["error"], results[2]
+    results = spawn(child_monitored_barrier_dead, 2, env=EMU_ENV, args=(0,), may_die=(0,), timeout=240)
+    assert results[0] is None, results
+    assert "rank 0's process" in results[1]["error"] and "exited" in results[1]["error"], results[1]
+    assert results[1]["seconds"] < 60, results
 
 
 def test_checkpoint_save_load_and_broadcast_from_rank0():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from datetime import timedelta
 
+from ... import _core
 from ...work import ShmWork
 from .. import options
 from .base import CollectiveBase
@@ -31,14 +32,20 @@ class Barrier(CollectiveBase):
         (a key in the group's store), then releases them. Ranks that do not arrive within
         the timeout (``opts.timeout``, a ``timedelta`` or seconds, else the group's; 0 means
         no waiting at all) are named in the error; with ``wait_all_ranks=False`` the first
-        missing rank is reported, with True all of them. Returns once every rank has arrived
+        missing rank is reported, with True all of them. A rank on this node whose process
+        has exited is not waited for: rank 0 fails as soon as it sees one missing (with
+        ``wait_all_ranks``, once every rank still missing has exited or the timeout has
+        passed), and the other ranks as soon as rank 0 has exited, as Gloo's closed
+        connections make it fail (Gloo: 0.5 s after the death; before, flagos_shm waited out
+        the whole timeout). Returns once every rank has arrived
         (c10d's ``monitoredBarrier`` returns nothing: failures are raised here, not through
         a work). The messages carry Gloo's wording, which callers (and PyTorch's own tests)
         match on.
 
         Raises:
             RuntimeError: on group rank 0, ``"Rank 1 failed to pass monitoredBarrier in N ms"``
-                (``"Ranks 1, 2 failed ..."`` with ``wait_all_ranks`` and several missing), or,
+                (``"Ranks 1, 2 failed ..."`` with ``wait_all_ranks`` and several missing; the
+                ranks whose process exited are named with it), or,
                 with a zero timeout, ``"Rank 0 timed out in monitoredBarrier after 0 ms"``; on
                 the other ranks, ``"Rank r successfully reached monitoredBarrier, but received
                 errors while waiting for send/recv from rank 0"`` as soon as rank 0 fails, or
@@ -56,13 +63,21 @@ class Barrier(CollectiveBase):
         base = f"flagos_shm/monitored_barrier/{seq}"
         where = f"flagos_shm {name} on group {self._group_name!r} (rank {self._rank}/{self._world_size})"
         store = self._store
+        pids = getattr(self, "_pids", None) or [0] * self._world_size
+
+        def exited(r: int) -> bool:  # False for a rank on another node (pid 0: unknown here)
+            return bool(pids[r]) and _core.process_exited(pids[r])
+
         if self._rank != 0:
             store.set(f"{base}/arrived/{self._rank}", "1")
             deadline = time.monotonic() + timeout_s
             while not store.check([f"{base}/release"]):
                 failed = store.check([f"{base}/failed"])
-                if failed or time.monotonic() > deadline:
-                    why = "rank 0 reported missing ranks" if failed else f"rank 0 did not release it within {ms} ms"
+                gone = not failed and exited(0)
+                if failed or gone or time.monotonic() > deadline:
+                    why = ("rank 0 reported missing ranks" if failed else
+                           f"rank 0's process {pids[0]} exited" if gone else
+                           f"rank 0 did not release it within {ms} ms")
                     raise RuntimeError(
                         f"{where}: Rank {self._rank} successfully reached monitoredBarrier, but received errors "
                         f"while waiting for send/recv from rank 0 ({why}); see rank 0's error for the faulty rank")
@@ -74,17 +89,20 @@ class Barrier(CollectiveBase):
             missing = [r for r in missing if not store.check([f"{base}/arrived/{r}"])]
             if not missing:
                 break
-            if time.monotonic() > deadline:
+            dead = [r for r in missing if exited(r)]
+            timed_out = time.monotonic() > deadline
+            if timed_out or (dead and (not wait_all_ranks or len(dead) == len(missing))):
                 store.set(f"{base}/failed", "1")
-                if timeout_s == 0 and not wait_all_ranks:
+                if timeout_s == 0 and not wait_all_ranks and not dead:
                     raise RuntimeError(f"{where}: Rank 0 timed out in monitoredBarrier after 0 ms; "
                                        f"rank(s) {missing} had not arrived")
-                if wait_all_ranks and len(missing) > 1:
-                    who = "Ranks " + ", ".join(str(r) for r in missing)
-                else:
-                    who = f"Rank {missing[0]}"
+                named = missing if wait_all_ranks else (dead or missing)[:1]
+                who = ("Ranks " if len(named) > 1 else "Rank ") + ", ".join(str(r) for r in named)
+                why = "did not arrive"
+                if any(r in dead for r in named):
+                    why += "; exited: " + ", ".join(f"rank {r} (pid {pids[r]})" for r in named if r in dead)
                 raise RuntimeError(
-                    f"{where}: {who} failed to pass monitoredBarrier in {ms} ms (did not arrive)"
+                    f"{where}: {who} failed to pass monitoredBarrier in {ms} ms ({why})"
                     + ("" if wait_all_ranks else "; wait_all_ranks=True names every missing rank"))
             time.sleep(_POLL_S)
         store.set(f"{base}/release", "1")
