@@ -120,7 +120,7 @@ impl PyCommunicator {
         Ok(self.inner.submit(
             Box::new(move |comm| with_timeout(comm, t, f)),
             Box::new(move |result| {
-                let (_entry, may_enter) = exit::Entry::enter(false);
+                let (_entry, may_enter) = exit::Entry::callback();
                 if !may_enter {
                     std::mem::forget(callback); // see `exit::python_exiting`
                     return;

@@ -73,13 +73,17 @@ fn exiting_elsewhere() -> bool {
 pub(super) struct Entry(());
 
 impl Entry {
-    /// An entry, and whether it may go on into Python: false once [`python_exiting`] has
-    /// run and this is a progress thread (`on_progress_thread`) or any thread but the
-    /// exiting one (`anywhere`).
-    pub(super) fn enter(anywhere: bool) -> (Entry, bool) {
+    fn new() -> Entry {
         ENTRIES.fetch_add(1, SeqCst);
-        let barred = if anywhere { exiting_elsewhere() } else { PYTHON_EXITING.load(SeqCst) && crate::progress::on_progress_thread() };
-        (Entry(()), !barred)
+        Entry(())
+    }
+
+    /// A completion callback's entry, and whether the callback may call into Python: not
+    /// on a progress thread once [`python_exiting`] has run (the caller then leaks it). A
+    /// thread waiting for the call runs its callback as before.
+    pub(super) fn callback() -> (Entry, bool) {
+        let entry = Entry::new();
+        (entry, !(PYTHON_EXITING.load(SeqCst) && crate::progress::on_progress_thread()))
     }
 }
 
@@ -94,8 +98,8 @@ impl Drop for Entry {
 /// `raised`. False without entering Python once [`python_exiting`] has run, except on the
 /// exiting thread.
 pub(super) fn signal_raised(raised: &Mutex<Option<PyErr>>) -> bool {
-    let (_entry, may_enter) = Entry::enter(true);
-    if !may_enter {
+    let _entry = Entry::new();
+    if exiting_elsewhere() {
         return false;
     }
     Python::attach(|py| match py.check_signals() {
