@@ -9,6 +9,7 @@ from datetime import timedelta
 from ... import _core
 from ...work import ShmWork
 from .. import options
+from ..rendezvous import watchable
 from .base import CollectiveBase
 
 _POLL_S = 0.002  # store polling of monitored_barrier's group rank 0
@@ -32,12 +33,14 @@ class Barrier(CollectiveBase):
         (a key in the group's store), then releases them. Ranks that do not arrive within
         the timeout (``opts.timeout``, a ``timedelta`` or seconds, else the group's; 0 means
         no waiting at all) are named in the error; with ``wait_all_ranks=False`` the first
-        missing rank is reported, with True all of them. A rank on this node whose process
-        has exited is not waited for: rank 0 fails as soon as it sees one missing (with
-        ``wait_all_ranks``, once every rank still missing has exited or the timeout has
-        passed), and the other ranks as soon as rank 0 has exited, as Gloo's closed
-        connections make it fail (Gloo: 0.5 s after the death; before, flagos_shm waited out
-        the whole timeout). Returns once every rank has arrived
+        missing rank is reported, with True all of them. A rank whose process has exited is
+        not waited for where this rank can see it (same machine and PID namespace,
+        ``rendezvous.watchable``; ranks on other machines are waited for until the timeout):
+        rank 0 fails as soon as it sees one missing (with ``wait_all_ranks``, once every rank
+        still missing has exited or the timeout has passed), and the other ranks as soon as
+        rank 0 has exited, as Gloo's closed connections make it fail (Gloo: 0.5 s after the
+        death; before, flagos_shm waited out the whole timeout). Returns once every rank has
+        arrived
         (c10d's ``monitoredBarrier`` returns nothing: failures are raised here, not through
         a work). The messages carry Gloo's wording, which callers (and PyTorch's own tests)
         match on.
@@ -63,10 +66,12 @@ class Barrier(CollectiveBase):
         base = f"flagos_shm/monitored_barrier/{seq}"
         where = f"flagos_shm {name} on group {self._group_name!r} (rank {self._rank}/{self._world_size})"
         store = self._store
-        pids = getattr(self, "_pids", None) or [0] * self._world_size
+        # The ranks whose processes this rank can watch (group rank -> pid): not those of
+        # other machines, whose pids mean nothing here.
+        pids = watchable(self._layout, self._rank, None)
 
-        def exited(r: int) -> bool:  # False for a rank on another node (pid 0: unknown here)
-            return bool(pids[r]) and _core.process_exited(pids[r])
+        def exited(r: int) -> bool:
+            return r in pids and _core.process_exited(pids[r])
 
         if self._rank != 0:
             store.set(f"{base}/arrived/{self._rank}", "1")
