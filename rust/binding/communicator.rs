@@ -95,7 +95,17 @@ impl PyCommunicator {
     ) -> PyResult<R> {
         self.check_owner()?;
         let t = timeout(timeout_s)?;
-        detach_blocking(py, || self.inner.run(|comm| with_timeout(comm, t, f))).map_err(|e| to_py(e, Some(&self.pending)))
+        // `returning` before the communicator is released: `close` on another thread (a
+        // group's shutdown) waits for that, and an exit that follows must wait for this
+        // thread to take the GIL (exit.rs).
+        detach_blocking(py, || {
+            self.inner.run(|comm| {
+                let out = with_timeout(comm, t, f);
+                exit::returning();
+                out
+            })
+        })
+        .map_err(|e| to_py(e, Some(&self.pending)))
     }
 
     /// Runs collective `f` inline (`done` is None: returns 0 when it has finished, raising

@@ -114,18 +114,46 @@ pub(super) fn signal_raised(raised: &Mutex<Option<PyErr>>) -> bool {
 /// `py.detach(f)` for a call that may block (a collective, a wait, a point-to-point
 /// transfer): if `f` returns while the interpreter finalizes, on a thread other than the
 /// exiting one, the thread parks until the process exits instead of taking the GIL back
-/// (module docs). The check and CPython's finalization can still cross in the moment
-/// between the check and the GIL request; everything before it is covered.
+/// (module docs).
+///
+/// From the moment `f` returns until the thread holds the GIL again it counts as an
+/// [`Entry`], so [`python_exiting`] (which waits with the GIL released for the entries to
+/// leave) lets a call that ends before or while it runs take the GIL before the exiting
+/// thread goes on towards finalization; the thread then meets `flagos_shm`'s exit checks on
+/// its way back to the caller (`backend/exiting.py`). Left open: a call that ends after
+/// [`python_exiting`] has returned, whose check and CPython's finalization can still cross
+/// in the moment between the check and the GIL request.
 pub(super) fn detach_blocking<T: Send>(py: Python<'_>, f: impl Send + FnOnce() -> T) -> T {
-    py.detach(|| {
+    let (out, entry) = py.detach(|| {
         let out = f();
+        let entry = RETURNING.with(|r| r.take()).unwrap_or_else(Entry::new);
         if exiting_elsewhere() && finalizing() {
+            drop(entry);
             loop {
                 std::thread::park();
             }
         }
-        out
-    })
+        (out, entry)
+    });
+    drop(entry);
+    out
+}
+
+thread_local! {
+    /// The entry [`returning`] made for this thread's call, for [`detach_blocking`].
+    static RETURNING: std::cell::Cell<Option<Entry>> = const { std::cell::Cell::new(None) };
+}
+
+/// Counts the calling thread, inside a call run by [`detach_blocking`], as returning to
+/// Python from now on rather than from the call's end: for a call whose end someone waits
+/// for (a group's shutdown waits for the inline calls of other threads to leave the
+/// communicator), so that once that wait is over, [`python_exiting`] waits for the thread
+/// too. Idempotent within a call.
+pub(super) fn returning() {
+    RETURNING.with(|r| {
+        let entry = r.take().unwrap_or_else(Entry::new);
+        r.set(Some(entry));
+    });
 }
 
 /// Whether CPython is finalizing: `Py_IsFinalizing` (3.13 on) or `_Py_IsFinalizing`
