@@ -68,6 +68,12 @@ class _Latch:
 _NO_LOCK = contextlib.nullcontext()
 
 
+#: {thread ident: the work} for each thread blocked in :meth:`ShmWork.wait` now: once the
+#: work completes, the interpreter's exit waits for the thread to leave the wait and raise
+#: (:func:`flagos_shm.backend.exiting.wait_for_landings`).
+WAITING: dict = {}
+
+
 class ShmWork:
     """Handle of one flagos_shm call, as the Python side of the group sees it.
 
@@ -157,6 +163,9 @@ class ShmWork:
             seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
             if seconds is not None and seconds <= 0:
                 seconds = None  # c10d's "unset" timeout
+            ident = threading.get_ident()
+            outer = WAITING.get(ident)
+            WAITING[ident] = self
             try:
                 if seconds is None and self._help is not None:
                     self._help()  # runs it here if still queued; bounded by the group's timeout
@@ -164,6 +173,11 @@ class ShmWork:
             except BaseException:
                 self._give_up()
                 raise
+            finally:
+                if outer is None:
+                    del WAITING[ident]
+                else:
+                    WAITING[ident] = outer
             if not finished:
                 self._give_up()
                 raise RuntimeError(f"flagos_shm: the collective did not complete within {seconds:.3f} s of "

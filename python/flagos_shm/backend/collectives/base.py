@@ -31,7 +31,7 @@ from torch.distributed.constants import default_pg_timeout
 
 from ... import _core, config, staging
 from ...work import ShmWork
-from .. import options, plan
+from .. import exiting, options, plan
 from . import alltoall_errors
 from ..rendezvous import attach, describe_layout, rendezvous
 
@@ -67,7 +67,12 @@ def _shut_down_busy_groups_at_exit() -> None:
     * ``_core.python_exiting`` keeps the binding's other threads out of Python from then
       on (``rust/binding/exit.rs``): a callback still left (a call queued by another thread
       meanwhile) is leaked, and a daemon thread still in a call stops checking for signals
-      and, if its call ends while the interpreter finalizes, parks until the process exits.
+      and, if its call ends while the interpreter finalizes, parks until the process exits;
+    * a thread that left a failed call for torch before now (a daemon thread whose call a
+      ``destroy_process_group`` just before the exit ended) is waited for, the GIL released,
+      until it raises in Python (:func:`flagos_shm.backend.exiting.wait_for_landings`):
+      before, torch's frames took the GIL back for it during finalization and the process
+      aborted.
 
     A queued call's callback used to run on the progress thread after the interpreter had
     finalized: two ranks exiting with ten 256 KiB ``reduce_scatter_tensor(async_op=True)``
@@ -83,6 +88,7 @@ def _shut_down_busy_groups_at_exit() -> None:
             with contextlib.suppress(Exception):
                 group.shutdown()
     _core.python_exiting()
+    exiting.wait_for_landings()
 
 
 atexit.register(_shut_down_busy_groups_at_exit)

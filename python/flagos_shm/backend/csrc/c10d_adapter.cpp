@@ -41,6 +41,7 @@
 #include <stdexcept>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -72,6 +73,49 @@ void release(py::object& obj) {
   py::gil_scoped_acquire gil;
   obj = py::object();
 }
+
+// flagos_shm.backend.exiting.leaving_with_error, looked up when this module is loaded; never
+// released (the interpreter may be gone at process exit).
+PyObject* leaving_with_error = nullptr;
+
+// The GIL, taken to call the Python side, for a call that returns to torch: when the call
+// raises, the thread is about to release the GIL and go back through torch's frames, where
+// torch takes the GIL again to raise; if the interpreter finalizes meanwhile, CPython ends the
+// thread there with pthread_exit and the process aborts. So before the GIL goes, a raising
+// call asks flagos_shm.backend.exiting what to do (the reasons are there): park for good, or
+// go back, noted so that the interpreter's exit waits for the thread to raise first.
+class PythonCall {
+ public:
+  PythonCall() = default;
+  PythonCall(const PythonCall&) = delete;
+  PythonCall& operator=(const PythonCall&) = delete;
+
+  ~PythonCall() {
+    if (std::uncaught_exceptions() > uncaught_ && leaving_with_error != nullptr && must_park()) {
+      PyEval_SaveThread();  // never taken back: the interpreter abandons this thread
+      for (;;) {
+        std::this_thread::sleep_for(std::chrono::hours(24));
+      }
+    }
+  }
+
+ private:
+  static bool must_park() noexcept {  // GIL held
+    PyObject* type = nullptr;
+    PyObject* value = nullptr;
+    PyObject* trace = nullptr;
+    PyErr_Fetch(&type, &value, &trace);  // none is set (pybind11 took it); keep it so
+    PyObject* answer = PyObject_CallNoArgs(leaving_with_error);
+    const bool park = answer != nullptr && PyObject_IsTrue(answer) == 1;
+    Py_XDECREF(answer);
+    PyErr_Clear();
+    PyErr_Restore(type, value, trace);
+    return park;
+  }
+
+  py::gil_scoped_acquire gil_;
+  const int uncaught_ = std::uncaught_exceptions();
+};
 
 // The error a Python work finished with, kept as the Python exception itself: wherever it is
 // rethrown (wait(), get_future().wait(), exception(), a C++ caller), a Python caller gets that
@@ -142,7 +186,7 @@ class ShmWork : public c10d::Work {
         return true;
       }
     }
-    py::gil_scoped_acquire gil;
+    PythonCall gil;
     // Raises the collective's error; a timeout (> 0) that passes aborts the group and raises.
     work_.attr("wait")(timeout.count() > 0 ? py::cast(timeout) : py::none());
     return true;
@@ -359,7 +403,7 @@ class ShmBackend : public c10d::Backend {
         tensors[0].device().is_cpu()) {
       const at::Tensor& t = tensors[0];
       if (const FastType* fast = fast_type(t)) {
-        py::gil_scoped_acquire gil;
+        PythonCall gil;
         const int64_t numel = t.numel();
         py::object result = digested_broadcast_(tensors, reinterpret_cast<uintptr_t>(t.data_ptr()),
                                                 numel * static_cast<int64_t>(t.element_size()), numel, fast->name,
@@ -389,7 +433,7 @@ class ShmBackend : public c10d::Backend {
       const auto op = static_cast<uint32_t>(opts.reduceOp.op_);
       const FastType* fast = fast_type(t);
       if (fast != nullptr && op < 32 && (fast->ops >> op & 1U) != 0) {
-        py::gil_scoped_acquire gil;
+        PythonCall gil;
         py::object result;
         if (t.device().is_cpu()) {
           const int64_t numel = t.numel();
@@ -437,7 +481,7 @@ class ShmBackend : public c10d::Backend {
                                                  const c10d::AllgatherOptions& opts) override {
     // FSDP2's parameter all-gather on CPU tensors, taken apart here (overlap: Python).
     if (const FastType* fast = fast_cpu_pair(input, output, opts.timeout, input.numel() * getSize())) {
-      py::gil_scoped_acquire gil;
+      PythonCall gil;
       py::object result = digested_allgather_(output, input, reinterpret_cast<uintptr_t>(input.data_ptr()),
                                               input.numel() * static_cast<int64_t>(input.element_size()),
                                               reinterpret_cast<uintptr_t>(output.data_ptr()),
@@ -493,7 +537,7 @@ class ShmBackend : public c10d::Backend {
     // FSDP2's gradient reduce-scatter on CPU tensors, taken apart here (overlap: Python).
     if (const FastType* pair = fast_cpu_pair(output, input, opts.timeout, output.numel() * getSize());
         pair != nullptr && op < 32 && (pair->ops >> op & 1U) != 0) {
-      py::gil_scoped_acquire gil;
+      PythonCall gil;
       const auto es = static_cast<int64_t>(output.element_size());
       py::object result = digested_reduce_scatter_(output, input, reinterpret_cast<uintptr_t>(input.data_ptr()),
                                                    input.numel() * es, reinterpret_cast<uintptr_t>(output.data_ptr()),
@@ -528,7 +572,7 @@ class ShmBackend : public c10d::Backend {
     if (output_split_sizes.empty() && input_split_sizes.empty() && input.dim() > 0 && output.dim() > 0 &&
         input.size(0) % getSize() == 0 && output.size(0) % getSize() == 0) {
       if (const FastType* fast = fast_cpu_pair(input, output, opts.timeout, input.numel())) {
-        py::gil_scoped_acquire gil;
+        PythonCall gil;
         const int64_t nbytes = input.numel() * static_cast<int64_t>(input.element_size());
         py::object result = digested_alltoall_(output, input, reinterpret_cast<uintptr_t>(input.data_ptr()),
                                                reinterpret_cast<uintptr_t>(output.data_ptr()), nbytes,
@@ -571,7 +615,7 @@ class ShmBackend : public c10d::Backend {
   }
 
   void monitoredBarrier(const c10d::BarrierOptions& opts, bool wait_all_ranks) override {
-    py::gil_scoped_acquire gil;
+    PythonCall gil;
     group_.attr("monitored_barrier")(opts, wait_all_ranks);
   }
 
@@ -583,7 +627,7 @@ class ShmBackend : public c10d::Backend {
   }
 
   c10::intrusive_ptr<c10d::Work> endCoalescing() override {
-    py::gil_scoped_acquire gil;
+    PythonCall gil;
     return wrap(group_.attr("end_coalescing")(), c10d::OpType::COALESCED, {});
   }
 
@@ -631,7 +675,7 @@ class ShmBackend : public c10d::Backend {
   template <typename... Args>
   c10::intrusive_ptr<c10d::Work> issue(Method method, c10d::OpType type, std::vector<at::Tensor> outputs,
                                        Args&&... args) {
-    py::gil_scoped_acquire gil;
+    PythonCall gil;
     py::object result = methods_[method](std::forward<Args>(args)...);
     return wrap(std::move(result), type, std::move(outputs));
   }
@@ -672,7 +716,7 @@ class ShmBackend : public c10d::Backend {
       throw;
     }
     {
-      py::gil_scoped_acquire gil;
+      PythonCall gil;
       py::object result = call(out->host(), same ? out->host() : in->host());
       if (!result.is_none()) {  // a work: wait for it (asyncOp is false: it has finished)
         result.attr("wait")();
@@ -705,7 +749,7 @@ class ShmBackend : public c10d::Backend {
     }
     const at::Tensor& host = staged->host();
     {
-      py::gil_scoped_acquire gil;
+      PythonCall gil;
       const int64_t numel = host.numel();
       py::object result = digested_allreduce_(std::vector<at::Tensor>{host},
                                               reinterpret_cast<uintptr_t>(host.data_ptr()),
@@ -770,6 +814,8 @@ class ShmBackend : public c10d::Backend {
 PYBIND11_MODULE(flagos_shm_c10d, m) {
   m.doc() = "flagos_shm's c10d adapter (built against the installed torch by flagos_shm.backend.adapter)";
   py::module_::import("torch._C._distributed_c10d");  // registers c10d.Backend, Work, the options
+  flagos_shm::leaving_with_error =
+      py::module_::import("flagos_shm.backend.exiting").attr("leaving_with_error").cast<py::object>().release().ptr();
   // A work's error, met by any pybind11 binding (torch's Work.wait, Future.wait, ...), becomes
   // the Python exception it came from.
   m.def("set_pinned_pool_limit", [](int64_t bytes) { flagos_shm::pinned_pool().set_limit(bytes); },
