@@ -34,7 +34,7 @@ from typing import Dict, Tuple
 
 from ..work import WAITING
 
-__all__ = ["leaving_with_error", "wait_for_landings", "interpreter_exiting", "at_interpreter_exit"]
+__all__ = ["leaving_with_error", "wait_for_landings", "at_interpreter_exit"]
 
 #: Set by ``threading``'s exit hook (:func:`_interpreter_exits`), which runs when the main
 #: thread has returned, before the interpreter waits for non-daemon threads and runs the
@@ -69,14 +69,9 @@ if hasattr(threading, "_register_atexit"):  # CPython 3.9 on
 
 def at_interpreter_exit(hook) -> None:
     """Runs ``hook()`` when the main thread has returned, before the interpreter waits for
-    its non-daemon threads (``threading``'s exit hooks), after :func:`interpreter_exiting`
-    has become true: a thread that ``hook`` wakes from a call with an error meets it."""
+    its non-daemon threads (``threading``'s exit hooks), once ``_exiting`` is set: a thread
+    that ``hook`` wakes from a call with an error finds the interpreter exiting."""
     _exit_hooks.append(hook)
-
-
-def interpreter_exiting() -> bool:
-    """Whether the main thread has returned and the interpreter is exiting."""
-    return _exiting
 
 
 def _others_keep_the_interpreter(me: threading.Thread) -> bool:
