@@ -1,6 +1,6 @@
 """What a thread leaving a failed call does near the interpreter's exit
-(``flagos_shm.backend.exiting``): park once the interpreter exits, unless a non-daemon thread
-still keeps it; otherwise go back, noted, and the exit waits until it runs Python again.
+(``flagos_shm.backend.exiting``): park once flagos_shm's exit handler has begun; before, go
+back, noted, and that handler waits until the thread runs Python again.
 The end-to-end case (a daemon thread's ``recv`` ended by the exit) is in
 ``test_shutdown_queued.py``."""
 
@@ -19,8 +19,10 @@ pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture
-def interpreter_exiting(monkeypatch):
-    monkeypatch.setattr(exiting, "_exiting", True)
+def exit_handler_begun(monkeypatch):
+    monkeypatch.setattr(exiting, "_exiting", False)
+    exiting.exit_handler_begins()
+    assert exiting._exiting is True
 
 
 def _answer_on_thread(daemon: bool) -> dict:
@@ -33,30 +35,17 @@ def _answer_on_thread(daemon: bool) -> dict:
     return out
 
 
-def test_a_daemon_thread_parks_once_the_interpreter_exits(interpreter_exiting):
-    assert _answer_on_thread(daemon=True)["park"] is True
+@pytest.mark.parametrize("daemon", [True, False])
+def test_once_the_exit_handler_has_begun_a_failing_thread_parks(exit_handler_begun, daemon):
+    assert _answer_on_thread(daemon)["park"] is True
 
 
-def test_a_non_daemon_thread_goes_back_since_the_main_thread_waits_for_it(interpreter_exiting):
-    assert _answer_on_thread(daemon=False)["park"] is False
-
-
-def test_a_daemon_thread_goes_back_while_a_non_daemon_thread_keeps_the_interpreter(interpreter_exiting):
-    release = threading.Event()
-    keeper = threading.Thread(target=release.wait, daemon=False)
-    keeper.start()
-    try:
-        assert _answer_on_thread(daemon=True)["park"] is False
-    finally:
-        release.set()
-        keeper.join(30)
-
-
-def test_the_main_thread_never_parks(interpreter_exiting):
+def test_the_main_thread_never_parks(exit_handler_begun):
     assert exiting.leaving_with_error() is False
 
 
-def test_before_the_exit_a_thread_goes_back_and_its_landing_is_recorded():
+def test_before_the_exit_handler_a_thread_goes_back_and_its_landing_is_recorded(monkeypatch):
+    monkeypatch.setattr(exiting, "_exiting", False)
     out = {}
 
     def call() -> None:

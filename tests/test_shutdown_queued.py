@@ -255,8 +255,8 @@ def test_a_daemon_threads_call_ended_by_the_exit_does_not_abort_it(case, tmp_pat
     """A daemon thread whose call the exit itself ends (the main thread's
     ``destroy_process_group`` just before it returns, or the exit's abort of point-to-point
     transfers) leaves the process exiting with status 0, four times in a row: the thread
-    either raises before the interpreter finalizes (the exit waits for it) or, once the
-    interpreter exits, parks instead of going back through torch's frames
+    either raises before the interpreter finalizes (flagos_shm's exit handler waits for it)
+    or, once that handler has begun, parks instead of going back through torch's frames
     (``flagos_shm.backend.exiting``). Before, torch took the GIL back for it during
     finalization and CPython's ``pthread_exit`` aborted the process (SIGABRT) in 2-5 of 8 runs
     of each case on torch 2.15 and 2.10 (Intel Xeon VM, 2026-12-06). The race is not forced,

@@ -6,27 +6,27 @@ the GIL and goes back through torch's C++ frames, where torch takes the GIL agai
 the error. Once CPython 3.11-3.13 finalizes, that GIL request ends the thread with
 ``pthread_exit``, whose forced unwind through those frames aborts the process (SIGABRT:
 "FATAL: exception not rethrown", or pybind11's "dec_ref() PyGILState_Check() failure").
-It happened to a daemon thread whose call the exit itself ended: a ``recv`` left waiting
-when the main thread returned (the point-to-point exit handler aborts transfers), 4 of 8
-runs on the Intel Xeon VM (2026-12-06), or a collective ended by ``destroy_process_group``
-just before the main thread returned. So:
+It happened to daemon threads whose call the exit itself ended, in 2-5 of 8 runs per case on
+the Intel Xeon VM (2026-12-06, torch 2.15 and 2.10): a ``recv`` left waiting when the main
+thread returned (``threading``'s exit hooks abort point-to-point transfers), or a collective
+ended by ``destroy_process_group`` just before the main thread returned. So:
 
-* while the interpreter exits (the main thread has returned: ``threading``'s exit hooks have
-  run) a daemon thread, or one not started by ``threading``, whose call fails parks for good
-  (the interpreter abandons such threads) instead of going back, unless a non-daemon thread
-  other than the main one still runs (the main thread waits for it, so the error can be
-  raised as usual);
-* otherwise the thread goes back, and :func:`wait_for_landings`, which ``flagos_shm``'s
-  ``atexit`` handler calls, waits with the GIL released until every thread that went back
-  this way is running Python again in the frame that made the call (or has moved on from
-  it, or ended), so that it raises before the interpreter finalizes.
+* until ``flagos_shm``'s ``atexit`` handler begins (:func:`exit_handler_begins`), a failing
+  call goes back as usual, its calling frame noted, and that handler's
+  :func:`wait_for_landings` waits, with the GIL released, until each such thread runs Python
+  again (its frame moved past the call, or left its stack, or the thread ended), so that it
+  raises before the interpreter finalizes;
+* once it has begun, a thread other than the main one whose call fails parks until the
+  process exits instead of going back: every non-daemon thread has been joined by then, and
+  the interpreter abandons the rest. (An ``atexit`` handler registered before ``import
+  flagos_shm`` runs after flagos_shm's, and one that joins such a daemon thread waits for
+  good; handlers registered later run before it, while the thread still raises.)
 
-A call that fails while no interpreter exit is near costs one dictionary entry per thread.
+A failing call costs one dictionary entry per thread.
 """
 
 from __future__ import annotations
 
-import concurrent.futures.thread  # noqa: F401  (registers its exit hook before ours: see below)
 import sys
 import threading
 import time
@@ -34,15 +34,10 @@ from typing import Dict, Tuple
 
 from ..work import WAITING
 
-__all__ = ["leaving_with_error", "wait_for_landings", "at_interpreter_exit"]
+__all__ = ["exit_handler_begins", "leaving_with_error", "wait_for_landings"]
 
-#: Set by ``threading``'s exit hook (:func:`_interpreter_exits`), which runs when the main
-#: thread has returned, before the interpreter waits for non-daemon threads and runs the
-#: ``atexit`` handlers.
+#: Whether ``flagos_shm``'s ``atexit`` handler has begun (:func:`exit_handler_begins`).
 _exiting = False
-
-#: Run by :func:`_interpreter_exits` once ``_exiting`` is set (:func:`at_interpreter_exit`).
-_exit_hooks = []
 
 #: {thread ident: (id of the frame that made the call, its instruction offset then)}: the
 #: threads that left a failed call for Python and may not have taken the GIL back yet.
@@ -54,39 +49,20 @@ _landings: Dict[int, Tuple[int, int]] = {}
 LANDING_WAIT_S = 2.0
 
 
-def _interpreter_exits() -> None:
+def exit_handler_begins() -> None:
+    """Called first by ``flagos_shm``'s ``atexit`` handler (GIL held): from now on a thread
+    other than the main one whose call fails parks (module docs)."""
     global _exiting
     _exiting = True
-    for hook in _exit_hooks:
-        hook()
-
-
-# ``threading`` runs its exit hooks last registered first: ours before the thread pools'
-# (imported above), which join their workers, so that the hooks can wake workers first.
-if hasattr(threading, "_register_atexit"):  # CPython 3.9 on
-    threading._register_atexit(_interpreter_exits)
-
-
-def at_interpreter_exit(hook) -> None:
-    """Runs ``hook()`` when the main thread has returned, before the interpreter waits for
-    its non-daemon threads (``threading``'s exit hooks), once ``_exiting`` is set: a thread
-    that ``hook`` wakes from a call with an error finds the interpreter exiting."""
-    _exit_hooks.append(hook)
-
-
-def _others_keep_the_interpreter(me: threading.Thread) -> bool:
-    main = threading.main_thread()
-    return any(not t.daemon and t is not main and t is not me and t.is_alive() for t in threading.enumerate())
 
 
 def leaving_with_error() -> bool:
     """Called by the C++ adapter, with the GIL held, when a call is about to raise into torch.
     True when the calling thread must park until the process exits instead (module docs);
     otherwise records where the thread lands for :func:`wait_for_landings`. Never raises."""
-    me = threading.current_thread()
-    if me is threading.main_thread():
+    if threading.current_thread() is threading.main_thread():
         return False
-    if _exiting and (me.daemon or isinstance(me, threading._DummyThread)) and not _others_keep_the_interpreter(me):
+    if _exiting:
         return True
     try:
         frame = sys._getframe(1)  # the Python frame that called into torch, if any
@@ -109,8 +85,8 @@ def wait_for_landings(timeout_s: float = LANDING_WAIT_S) -> None:
     """Waits, releasing the GIL, until each thread that is leaving a call runs Python again:
     one recorded by :func:`leaving_with_error` until its calling frame has moved past the
     call or left its stack (or the thread ended), and one blocked in a work's ``wait()``
-    whose work has completed (woken, an error perhaps, by this exit's own shutdown of the
-    point-to-point transfers) until it has left that wait; at most ``timeout_s`` seconds."""
+    whose work has completed (woken, an error perhaps, by the exit's abort of point-to-point
+    transfers) until it has left that wait; at most ``timeout_s`` seconds."""
     end = time.monotonic() + timeout_s
     while True:
         frames = sys._current_frames()

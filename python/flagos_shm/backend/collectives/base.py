@@ -69,10 +69,11 @@ def _shut_down_busy_groups_at_exit() -> None:
       meanwhile) is leaked, and a daemon thread still in a call stops checking for signals
       and, if its call ends while the interpreter finalizes, parks until the process exits;
     * a thread that left a failed call for torch before now (a daemon thread whose call a
-      ``destroy_process_group`` just before the exit ended) is waited for, the GIL released,
-      until it raises in Python (:func:`flagos_shm.backend.exiting.wait_for_landings`):
-      before, torch's frames took the GIL back for it during finalization and the process
-      aborted.
+      ``destroy_process_group`` just before the exit, or the exit's abort of point-to-point
+      transfers, ended) is waited for, the GIL released, until it raises in Python
+      (:func:`flagos_shm.backend.exiting.wait_for_landings`), and from now on such a thread
+      parks instead (:func:`flagos_shm.backend.exiting.exit_handler_begins`): before,
+      torch's frames took the GIL back for it during finalization and the process aborted.
 
     A queued call's callback used to run on the progress thread after the interpreter had
     finalized: two ranks exiting with ten 256 KiB ``reduce_scatter_tensor(async_op=True)``
@@ -80,6 +81,7 @@ def _shut_down_busy_groups_at_exit() -> None:
     and aborted with SIGABRT ("terminate called without an active exception") in 1.
     Registered with :func:`atexit.register` when this module is imported, so it runs after
     the ``atexit`` handlers registered later (a user's ``destroy_process_group`` at exit)."""
+    exiting.exit_handler_begins()
     for group in list(_groups):
         if group._pid != os.getpid() or group._closed:
             continue

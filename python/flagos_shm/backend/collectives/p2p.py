@@ -39,7 +39,7 @@ from typing import Optional
 
 from ... import _core, staging
 from ...work import ShmWork
-from .. import exiting, options
+from .. import options
 from ...config import p2p_geometry, segment_config
 from ..hierarchy import p2p as hierarchy_p2p
 from .base import CollectiveBase
@@ -71,7 +71,8 @@ def _abort_all_at_exit() -> None:
         box.close(abort=True)
 
 
-exiting.at_interpreter_exit(_abort_all_at_exit)
+if hasattr(threading, "_register_atexit"):
+    threading._register_atexit(_abort_all_at_exit)
 
 
 class _Mailbox:
