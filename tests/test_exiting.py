@@ -6,6 +6,7 @@ The end-to-end case (a daemon thread's ``recv`` ended by the exit) is in
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -137,3 +138,28 @@ def test_the_exit_waits_for_a_thread_woken_in_a_works_wait_to_leave_it():
         woken.join(30)
         stuck.join(30)
     assert raised.count("aborted at exit") == 1 and raised.count("test over") == 1, raised
+
+
+def test_the_exit_waits_for_a_thread_running_flagos_shm_code_to_leave_it(monkeypatch):
+    """A thread back from the core on its way to the adapter runs flagos_shm's Python code
+    and is not recorded anywhere yet: the exit waits until it has left that code. (Here the
+    tests' directory stands for the package's, and the thread's code is a wait a timer ends.)"""
+    monkeypatch.setattr(exiting, "_PACKAGE_DIR", os.path.dirname(os.path.abspath(__file__)) + os.sep)
+    entered, go = threading.Event(), threading.Event()
+
+    def in_our_code() -> None:
+        entered.set()
+        go.wait()
+
+    t = threading.Thread(target=in_our_code, daemon=True)
+    t.start()
+    entered.wait(30)
+    timer = threading.Timer(0.3, go.set)
+    timer.start()
+    try:
+        exiting.wait_for_landings(timeout_s=30)
+        assert go.is_set()
+    finally:
+        go.set()
+        timer.cancel()
+        t.join(30)

@@ -19,7 +19,7 @@
 
 use pyo3::prelude::*;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::ThreadId;
 use std::time::Duration;
 
@@ -125,7 +125,12 @@ pub(super) fn signal_raised(raised: &Mutex<Option<PyErr>>) -> bool {
 /// in the moment between the check and the GIL request.
 pub(super) fn detach_blocking<T: Send>(py: Python<'_>, f: impl Send + FnOnce() -> T) -> T {
     let (out, entry) = py.detach(|| {
-        let out = f();
+        let out = IN_CALL.with(|flag| {
+            flag.0.store(true, SeqCst);
+            let out = f();
+            flag.0.store(false, SeqCst);
+            out
+        });
         let entry = RETURNING.with(|r| r.take()).unwrap_or_else(Entry::new);
         if exiting_elsewhere() && finalizing() {
             drop(entry);
@@ -139,7 +144,45 @@ pub(super) fn detach_blocking<T: Send>(py: Python<'_>, f: impl Send + FnOnce() -
     out
 }
 
+/// The threads that have made a call through [`detach_blocking`]: their ids (Python's
+/// `threading.get_ident()`, which is `pthread_self()` on Linux) and whether they are inside
+/// the call now.
+static CALLERS: Mutex<Vec<(u64, Arc<AtomicBool>)>> = Mutex::new(Vec::new());
+
+/// This thread's entry in [`CALLERS`], made at its first call and removed when it ends.
+struct InCall(Arc<AtomicBool>);
+
+impl InCall {
+    fn register() -> InCall {
+        let flag = Arc::new(AtomicBool::new(false));
+        // SAFETY: pthread_self has no preconditions and only returns the caller's id.
+        let id = unsafe { libc::pthread_self() } as u64;
+        lock_callers().push((id, Arc::clone(&flag)));
+        InCall(flag)
+    }
+}
+
+impl Drop for InCall {
+    fn drop(&mut self) {
+        lock_callers().retain(|(_, flag)| !Arc::ptr_eq(flag, &self.0));
+    }
+}
+
+fn lock_callers() -> std::sync::MutexGuard<'static, Vec<(u64, Arc<AtomicBool>)>> {
+    CALLERS.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The ids (as `threading.get_ident()` gives them) of the threads blocked in a call made
+/// through [`detach_blocking`] now: waiting in the core, with no Python code to run until
+/// their call ends. `flagos_shm`'s exit handler does not wait for them.
+#[pyfunction]
+pub(super) fn threads_in_calls() -> Vec<u64> {
+    lock_callers().iter().filter(|(_, flag)| flag.load(SeqCst)).map(|(id, _)| *id).collect()
+}
+
 thread_local! {
+    /// This thread's flag in [`CALLERS`].
+    static IN_CALL: InCall = InCall::register();
     /// The entry [`returning`] made for this thread's call, for [`detach_blocking`].
     static RETURNING: std::cell::Cell<Option<Entry>> = const { std::cell::Cell::new(None) };
 }

@@ -27,12 +27,17 @@ A failing call costs one dictionary entry per thread.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
 from typing import Dict, Tuple
 
+from .. import _core
 from ..work import WAITING
+
+#: Where flagos_shm's Python files are: a frame running one of them is flagos_shm's code.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 __all__ = ["exit_handler_begins", "leaving_with_error", "wait_for_landings"]
 
@@ -81,20 +86,48 @@ def _landed(ident: int, record: Tuple[int, int], frames) -> bool:
     return True
 
 
+def _runs_our_code(frame) -> bool:
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _leaving(ident: int, top, blocked) -> bool:
+    """Whether thread ``ident`` (its topmost frame ``top``) is on its way out of a call."""
+    if ident in blocked:  # waiting in the core: no Python to run until its call ends
+        return False
+    work = WAITING.get(ident)
+    if work is not None:  # in a work's wait(): leaving it once the work has completed
+        return work.is_completed()
+    record = _landings.get(ident)
+    if record is not None and not _landed(ident, record, {ident: top}):
+        return True
+    # Back in Python between the core and the adapter's check (flagos_shm's own error
+    # path), or elsewhere in flagos_shm's Python code.
+    return _runs_our_code(top)
+
+
 def wait_for_landings(timeout_s: float = LANDING_WAIT_S) -> None:
-    """Waits, releasing the GIL, until each thread that is leaving a call runs Python again:
-    one recorded by :func:`leaving_with_error` until its calling frame has moved past the
-    call or left its stack (or the thread ended), and one blocked in a work's ``wait()``
-    whose work has completed (woken, an error perhaps, by the exit's abort of point-to-point
-    transfers) until it has left that wait; at most ``timeout_s`` seconds."""
+    """Waits, releasing the GIL, until no thread but the calling one is on its way out of a
+    call: one recorded by :func:`leaving_with_error` until its calling frame has moved past
+    the call or left its stack; one blocked in a work's ``wait()`` whose work has completed
+    (woken, an error perhaps, by the exit's abort of point-to-point transfers) until it has
+    left that wait; one running flagos_shm's Python code (back from the core, on its way to
+    the adapter) until it has left it. Threads blocked in the core
+    (``_core.threads_in_calls``) or in the wait of a work still running are not waited for.
+    At most ``timeout_s`` seconds."""
     end = time.monotonic() + timeout_s
+    me = threading.get_ident()
     while True:
+        blocked = set(_core.threads_in_calls())
         frames = sys._current_frames()
         for ident, record in list(_landings.items()):
             if _landed(ident, record, frames):
                 _landings.pop(ident, None)
-        woken = any(work.is_completed() and ident in frames for ident, work in list(WAITING.items()))
+        busy = any(_leaving(ident, top, blocked) for ident, top in frames.items() if ident != me)
         del frames
-        if (not _landings and not woken) or time.monotonic() >= end:
+        if not busy or time.monotonic() >= end:
             return
         time.sleep(0.0005)
