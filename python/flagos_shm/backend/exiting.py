@@ -15,7 +15,9 @@ ended by ``destroy_process_group`` just before the main thread returned. So:
   call goes back as usual, its calling frame noted, and that handler's
   :func:`wait_for_landings` waits, with the GIL released, until each such thread runs Python
   again (its frame moved past the call, or left its stack, or the thread ended), so that it
-  raises before the interpreter finalizes;
+  raises before the interpreter finalizes (it waits as well for a thread back from the
+  core that runs flagos_shm's Python code on its way to the check, and for one woken in a
+  work's ``wait()``);
 * once it has begun, a thread other than the main one whose call fails parks until the
   process exits instead of going back: every non-daemon thread has been joined by then, and
   the interpreter abandons the rest. (An ``atexit`` handler registered before ``import
@@ -49,8 +51,9 @@ _exiting = False
 _landings: Dict[int, Tuple[int, int]] = {}
 
 #: How long :func:`wait_for_landings` waits at most, seconds: a thread that went back only
-#: needs the GIL, which the waiting thread leaves free; the bound only guards against a
-#: thread that keeps failing and going back.
+#: needs the GIL, which the waiting thread leaves free; the bound guards against a thread
+#: that keeps failing and going back, and ends the wait for threads that wait on a group's
+#: lock in flagos_shm's code behind a call that never ends (the frames look the same).
 LANDING_WAIT_S = 2.0
 
 
