@@ -104,8 +104,7 @@ def _leaving(ident: int, top, blocked) -> bool:
     work = WAITING.get(ident)
     if work is not None:  # in a work's wait(): leaving it once the work has completed
         return work.is_completed()
-    record = _landings.get(ident)
-    if record is not None and not _landed(ident, record, {ident: top}):
+    if ident in _landings:  # noted, and not landed in this snapshot (pruned just before)
         return True
     # Back in Python between the core and the adapter's check (flagos_shm's own error
     # path), or elsewhere in flagos_shm's Python code.
