@@ -28,8 +28,8 @@ static PYTHON_EXITING: AtomicBool = AtomicBool::new(false);
 /// The thread that called [`python_exiting`]: the one running the `atexit` handlers, which
 /// goes on to finalize the interpreter.
 static EXITING_THREAD: OnceLock<ThreadId> = OnceLock::new();
-/// Threads between their look at [`PYTHON_EXITING`] and their return from Python
-/// ([`Entry`]).
+/// Threads between their look at [`PYTHON_EXITING`] and their return from Python, and
+/// threads whose blocking call has ended until they hold the GIL again ([`Entry`]).
 static ENTRIES: AtomicUsize = AtomicUsize::new(0);
 
 /// Tells the binding that the interpreter is exiting (`flagos_shm` calls it from an `atexit`
@@ -42,8 +42,10 @@ static ENTRIES: AtomicUsize = AtomicUsize::new(0);
 /// - a blocking call that returns once the interpreter finalizes does not return to Python:
 ///   its thread parks until the process exits ([`detach_blocking`]).
 ///
-/// Returns once the threads already inside Python on the binding's behalf have left it (the
-/// GIL released meanwhile, so that they can finish).
+/// Returns once the threads already inside Python on the binding's behalf have left it, and
+/// the threads whose blocking call has ended (or, for an inline call, has let go of the
+/// communicator: [`returning`]) hold the GIL again (it is released meanwhile, so that they
+/// can take it).
 ///
 /// Without it, a call queued with `async_op=True` and never waited for could finish after
 /// Python had finalized, and a daemon thread's collective could end (a peer exited) while it
