@@ -44,6 +44,9 @@ thread_local! {
     static ON_PROGRESS_THREAD: Cell<bool> = const { Cell::new(false) };
     /// Set while this thread runs a completion callback.
     static IN_CALLBACK: Cell<bool> = const { Cell::new(false) };
+    /// The innermost completion callback running on this thread: (its group's [`Shared`]
+    /// address, its job's ticket); (0, 0) when none.
+    static CALLBACK: Cell<(usize, u64)> = const { Cell::new((0, 0)) };
 }
 
 /// Whether the calling thread is a progress thread (e.g. to skip work that only makes
@@ -62,8 +65,15 @@ struct State {
     queue: VecDeque<Job>,
     /// Ticket of the next submission (tickets start at 1).
     next_ticket: u64,
-    /// Highest ticket whose completion callback has returned.
+    /// Highest ticket whose completion callback has returned, as have all before it.
     finished: u64,
+    /// Tickets above `finished` whose callbacks have returned (out of order: only while a
+    /// callback is suspended, see `suspended`).
+    done_above: Vec<u64>,
+    /// Tickets whose completion callbacks are running but wait, on their own thread, for
+    /// calls issued after them (a call made from a callback runs the queue up to it there):
+    /// later callbacks may run meanwhile, as if these had returned.
+    suspended: Vec<u64>,
     /// A collective (inline or queued) is running or has been claimed.
     busy: bool,
     /// `close` was called: no new submissions; the thread exits once the queue is empty.
@@ -75,6 +85,46 @@ struct State {
     parked: bool,
     /// Times the progress thread returned from that wait (an idle thread does not).
     wakeups: u64,
+}
+
+impl State {
+    /// Whether job `ticket`'s callback may run: every earlier callback has returned or is
+    /// suspended.
+    fn callbacks_before_done(&self, ticket: u64) -> bool {
+        (self.finished + 1..ticket).all(|k| self.done_above.contains(&k) || self.suspended.contains(&k))
+    }
+
+    /// Whether job `ticket`'s callback has returned.
+    fn is_finished(&self, ticket: u64) -> bool {
+        ticket <= self.finished || self.done_above.contains(&ticket)
+    }
+
+    /// Records that job `ticket`'s callback has returned.
+    fn finish(&mut self, ticket: u64) {
+        if ticket == self.finished + 1 {
+            self.finished = ticket;
+            while let Some(i) = self.done_above.iter().position(|&k| k == self.finished + 1) {
+                self.done_above.swap_remove(i);
+                self.finished += 1;
+            }
+        } else if ticket > self.finished && !self.done_above.contains(&ticket) {
+            self.done_above.push(ticket);
+        }
+    }
+}
+
+/// A callback suspended by [`Shared::suspend`]; resumes (in the bookkeeping) on drop.
+struct Suspended<'a>(&'a Shared, Option<u64>);
+
+impl Drop for Suspended<'_> {
+    fn drop(&mut self) {
+        if let Some(t) = self.1 {
+            let mut st = lock(&self.0.state);
+            if let Some(i) = st.suspended.iter().position(|&k| k == t) {
+                st.suspended.swap_remove(i);
+            }
+        }
+    }
 }
 
 /// The error of a job that `close` found still queued.
@@ -134,16 +184,18 @@ impl Shared {
     ///
     /// The next job's collective may start as soon as this one's has finished (`busy` is
     /// released first), but callbacks run in ticket order: this one waits until the
-    /// previous job's callback has returned. So a completed work implies that every work
-    /// issued before it on the group is complete too (results written back), as on a
-    /// single device stream, and `finished` is exact for [`Progress::help_until`].
+    /// previous jobs' callbacks have returned, or are suspended (they wait, on their own
+    /// thread, for a call issued after them: [`Shared::suspend`]). So a completed work
+    /// implies that every work issued before it on the group is complete too (results
+    /// written back), as on a single device stream, except a work whose callback waits for
+    /// it; and `finished`/`done_above` are exact for [`Progress::help_until`].
     fn execute(&self, job: Job) {
         let cancelled = lock(&self.state).cancelled;
         let result = if cancelled { Err(Error::Aborted(SHUT_DOWN.into())) } else { self.with_comm(job.task) };
         self.release();
         {
             let mut st = lock(&self.state);
-            while st.finished + 1 < job.ticket {
+            while !st.callbacks_before_done(job.ticket) {
                 st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
             }
         }
@@ -152,22 +204,45 @@ impl Shared {
         impl Drop for Finished<'_> {
             fn drop(&mut self) {
                 let mut st = lock(&self.0.state);
-                st.finished = st.finished.max(self.1);
+                st.finish(self.1);
                 drop(st);
                 self.0.changed.notify_all();
             }
         }
         let _finished = Finished(self, job.ticket);
-        /// Marks this thread as running a callback (restored on unwind too).
-        struct InCallback;
+        /// Marks this thread as running a callback of this group (restored on unwind too).
+        struct InCallback(bool, (usize, u64));
         impl Drop for InCallback {
             fn drop(&mut self) {
-                IN_CALLBACK.with(|c| c.set(false));
+                IN_CALLBACK.with(|c| c.set(self.0));
+                CALLBACK.with(|c| c.set(self.1));
             }
         }
-        IN_CALLBACK.with(|c| c.set(true));
-        let _in_callback = InCallback;
+        let _in_callback = InCallback(IN_CALLBACK.with(|c| c.replace(true)), CALLBACK.with(|c| c.replace((self.id(), job.ticket))));
         (job.done)(result);
+    }
+
+    /// This group's identity for [`CALLBACK`].
+    fn id(&self) -> usize {
+        self as *const Shared as usize
+    }
+
+    /// The ticket of the callback of this group running on the calling thread, if any.
+    fn own_callback(&self) -> Option<u64> {
+        let (id, ticket) = CALLBACK.with(Cell::get);
+        (id == self.id()).then_some(ticket)
+    }
+
+    /// Marks the callback running on this thread (if it is one of this group's) suspended
+    /// until the guard drops: it is about to wait for calls issued after it, which run on
+    /// this thread; their callbacks must not wait for it to return.
+    fn suspend(&self) -> Suspended<'_> {
+        let ticket = self.own_callback();
+        if let Some(t) = ticket {
+            lock(&self.state).suspended.push(t);
+            self.changed.notify_all();
+        }
+        Suspended(self, ticket)
     }
 
     fn thread_main(&self) {
@@ -234,6 +309,8 @@ impl Progress {
                     queue: VecDeque::new(),
                     next_ticket: 1,
                     finished: 0,
+                    done_above: Vec::new(),
+                    suspended: Vec::new(),
                     busy: false,
                     closing: false,
                     cancelled: false,
@@ -250,25 +327,21 @@ impl Progress {
     /// Runs `f` on the calling thread once every previously submitted job has finished,
     /// its completion callback included (so a synchronous call that returned implies the
     /// asynchronous ones issued before it are complete). Called from a completion callback,
-    /// it does not wait for callbacks (its own has not returned yet).
+    /// it does not wait for callbacks (its own has not returned yet); called from one of
+    /// this group's callbacks, it first runs the jobs still queued, in issue order, on the
+    /// calling thread (on the progress thread they could only run after the callback
+    /// returned), their callbacks included, this callback suspended meanwhile.
     ///
-    /// Errors: `Aborted` if the communicator is closed; `Aborted` at once, without joining
-    /// the group's sequence, when called from a completion callback on the progress thread
-    /// while jobs are queued (they could only run after the callback returns: waiting
-    /// would never end; peers already in the collective then reach their timeout);
-    /// otherwise whatever `f` returns.
+    /// Errors: `Aborted` if the communicator is closed; otherwise whatever `f` returns.
     pub fn run<R>(&self, f: impl FnOnce(&mut Communicator) -> Result<R>) -> Result<R> {
-        let in_callback = IN_CALLBACK.with(|c| c.get());
-        {
-            let mut st = lock(&self.shared.state);
-            if in_callback && on_progress_thread() && !st.queue.is_empty() {
-                return Err(Error::Aborted(format!(
-                    "a synchronous collective issued from a completion callback (Work.get_future().then) \
-                     would wait for the {} asynchronous call(s) queued before it, which run only after \
-                     the callback returns; issue it from another thread",
-                    st.queue.len()
-                )));
+        if self.shared.own_callback().is_some() {
+            let _suspended = self.shared.suspend();
+            while let Some(job) = self.claim_front() {
+                self.shared.execute(job);
             }
+        } else {
+            let in_callback = IN_CALLBACK.with(|c| c.get());
+            let mut st = lock(&self.shared.state);
             while st.busy || !st.queue.is_empty() || (!in_callback && st.finished + 1 < st.next_ticket) {
                 st = self.shared.changed.wait(st).unwrap_or_else(|p| p.into_inner());
             }
@@ -277,6 +350,24 @@ impl Progress {
         let result = self.shared.with_comm(f);
         self.shared.release();
         result
+    }
+
+    /// Waits until nothing runs, then claims the group: the first queued job (returned), or,
+    /// with none queued, the group itself for an inline call (`None`; `busy` set).
+    fn claim_front(&self) -> Option<Job> {
+        let mut st = lock(&self.shared.state);
+        while st.busy {
+            st = self.shared.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+        }
+        st.busy = true;
+        st.queue.pop_front()
+    }
+
+    /// Whether the calling thread runs one of this group's completion callbacks: a call it
+    /// submits must then be run by it ([`Self::help_until`]), since the progress thread (if
+    /// that is not this thread) runs it only after the callbacks before it have returned.
+    pub fn in_own_callback(&self) -> bool {
+        self.shared.own_callback().is_some()
     }
 
     /// Queues `task` and returns its ticket; `done` later receives its result, on the
@@ -313,11 +404,12 @@ impl Progress {
     /// [`STOP_CHECK`] while the job runs elsewhere, with no lock held; e.g. Ctrl-C).
     /// Returns `false` when it gave up; the job itself goes on.
     pub fn help_until_or(&self, ticket: u64, stop: &dyn Fn() -> bool) -> bool {
+        let _suspended = self.shared.suspend();
         loop {
             let job = {
                 let mut st = lock(&self.shared.state);
                 loop {
-                    if st.finished >= ticket {
+                    if st.is_finished(ticket) {
                         return true;
                     }
                     if !st.busy && st.queue.front().is_some_and(|j| j.ticket <= ticket) {

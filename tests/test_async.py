@@ -306,6 +306,61 @@ def rank_ddp_overlap(steps: int) -> dict:
     return {"buckets": buckets, "overlapped": overlapped, "grads_equal": all(grads_equal)}
 
 
+def rank_collectives_from_callbacks() -> dict:
+    """Completion callbacks (``get_future().then``) that issue collectives on the same group:
+    one runs a synchronous allreduce while a later asynchronous call is still queued, one
+    queues an allreduce and waits for its future (PowerSGD's DDP hook does). Each callback
+    is attached after every call this thread issues before it, so the group's order is the
+    same on every rank whichever thread runs the callback."""
+    rank = dist.get_rank()
+    a, b, c, d, e = (torch.full((3,), float(rank + k)) for k in (1, 10, 100, 1000, 10000))
+
+    def sync(fut):
+        dist.all_reduce(c)
+        return c * 2
+
+    def waits(fut):
+        return dist.all_reduce(b, async_op=True).get_future().wait()[0] * 2
+
+    first = dist.all_reduce(a, async_op=True)
+    queued = dist.all_reduce(d, async_op=True)
+    res = {"sync": first.get_future().then(sync).wait().tolist()}
+    queued.wait()
+    res["waits"] = dist.all_reduce(e, async_op=True).get_future().then(waits).wait().tolist()
+    dist.all_reduce(later := torch.ones(2))
+    res.update(a=a.tolist(), d=d.tolist(), e=e.tolist(), later=later.tolist())
+    return res
+
+
+def rank_powersgd(steps: int) -> dict:
+    """DDP with torch's PowerSGD comm hook (its callbacks issue allreduces and wait for their
+    futures), trained once over the world group and once over a Gloo group from the same
+    start; the parameters must be bitwise equal (a sum of two ranks does not depend on order)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    params = []
+    for group in (None, gloo):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
+        ddp = DDP(model, process_group=group)
+        state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                       min_compression_rate=0.5)
+        ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+        for step in range(steps):
+            torch.manual_seed(step * 10 + rank)
+            opt.zero_grad()
+            ddp(torch.randn(6, 32)).pow(2).mean().backward()
+            opt.step()
+        params.append([p.detach().clone() for p in model.parameters()])
+    dist.destroy_process_group(gloo)
+    return {"equal_to_gloo": all(torch.equal(x, y) for x, y in zip(*params)),
+            "moved": not torch.equal(params[0][0], torch.nn.Linear(32, 64).weight)}
+
+
 # ---- tests ----------------------------------------------------------------------------------
 
 def test_async_call_returns_before_a_late_peer_arrives(worlds):
@@ -404,3 +459,22 @@ def test_latch_wakes_every_waiter_once_set_and_times_out_before():
     setter.join(10)
     assert woke == [True, True, True] and latch.is_set()
     assert latch.wait() is True and latch.wait(0) is True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collectives_issued_from_completion_callbacks_complete(worlds, world_size):
+    n = world_size
+    tri = n * (n - 1) / 2  # sum of the ranks
+    for res in worlds(n).run(rank_collectives_from_callbacks):
+        assert res["a"] == [tri + n] * 3 and res["d"] == [tri + 1000 * n] * 3, res
+        assert res["e"] == [tri + 10000 * n] * 3, res
+        assert res["sync"] == [2 * (tri + 100 * n)] * 3, res
+        assert res["waits"] == [2 * (tri + 10 * n)] * 3, res
+        assert res["later"] == [float(n)] * 2, res
+
+
+def test_ddp_powersgd_hook_trains_as_over_gloo(worlds):
+    # The hook's callbacks wait for futures of calls they issue: this hung before the
+    # progress thread ran such calls itself.
+    for res in worlds(2).run(rank_powersgd, 4):
+        assert res["equal_to_gloo"] and res["moved"], res

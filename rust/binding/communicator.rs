@@ -112,6 +112,8 @@ impl PyCommunicator {
     /// its error) or queues it on the progress thread (`done` is a callable: returns its
     /// ticket at once, for `wait_ticket`; `done(None)` or `done(exception)` is called
     /// later, with the GIL held, on the progress thread or on a thread in `wait_ticket`).
+    /// Queued from one of the group's own completion callbacks, it has run, `done`
+    /// included, when this returns (`Progress::in_own_callback`).
     fn dispatch(
         &self,
         py: Python<'_>,
@@ -127,7 +129,7 @@ impl PyCommunicator {
         // A job run by `wait_ticket` on a Python thread can be interrupted by Ctrl-C: the
         // hook left Python's KeyboardInterrupt in `pending`; hand that to the callback.
         let pending = Arc::clone(&self.pending);
-        Ok(self.inner.submit(
+        let ticket = self.inner.submit(
             Box::new(move |comm| with_timeout(comm, t, f)),
             Box::new(move |result| {
                 let (_entry, may_enter) = exit::Entry::callback();
@@ -146,7 +148,15 @@ impl PyCommunicator {
                     drop(callback);
                 })
             }),
-        ))
+        );
+        if self.inner.in_own_callback() {
+            // Issued from one of this group's completion callbacks (e.g. a DDP comm hook's
+            // `.then`, as PowerSGD's): run it now, on this thread. On the progress thread it
+            // could only start after the callback returned, so a callback that waited for it
+            // (`get_future().wait()`, which cannot help) would wait for good.
+            detach_blocking(py, || self.inner.help_until(ticket));
+        }
+        Ok(ticket)
     }
 }
 

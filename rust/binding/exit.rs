@@ -128,9 +128,9 @@ pub(super) fn signal_raised(raised: &Mutex<Option<PyErr>>) -> bool {
 pub(super) fn detach_blocking<T: Send>(py: Python<'_>, f: impl Send + FnOnce() -> T) -> T {
     let (out, entry) = py.detach(|| {
         let out = IN_CALL.with(|flag| {
-            flag.0.store(true, SeqCst);
+            let outer = flag.0.swap(true, SeqCst); // true when nested (a callback's call)
             let out = f();
-            flag.0.store(false, SeqCst);
+            flag.0.store(outer, SeqCst);
             out
         });
         let entry = RETURNING.with(|r| r.take()).unwrap_or_else(Entry::new);

@@ -641,58 +641,87 @@ fn progress_close_after_abort_fails_queued_jobs() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// A completion callback on the progress thread that issues a synchronous collective
-/// while a later job is queued gets an error at once (waiting could never end: the queued
-/// job runs only after the callback); the queued job then runs normally on both ranks.
-#[test]
-fn progress_sync_call_from_a_callback_with_jobs_queued_fails_fast() {
+/// Two ranks; rank 0 queues two jobs before rank 1 joins any collective (so the second is
+/// queued when the first one's callback runs), and the first one's callback issues a third
+/// call with `issue`. Rank 1 runs three barriers inline. Returns rank 0's log of callbacks
+/// (tickets, "1 returned" when the first callback returns) once every callback has run.
+fn callback_issues_a_call(issue: fn(&flagos_shm::progress::Progress, &std::sync::Mutex<Vec<String>>)) -> Vec<String> {
     use flagos_shm::progress::Progress;
-    use std::sync::Mutex;
+    use std::sync::{mpsc, Mutex};
     let dir = tmpdir();
     let path = segment::create(&dir, 2, SLOT).unwrap();
     let p = path.clone();
+    let (go, queued) = mpsc::channel::<()>();
     let peer = std::thread::spawn(move || {
         let prog = Progress::new(Communicator::attach(&p, 1, 2, Duration::from_secs(20)).unwrap());
-        std::thread::sleep(Duration::from_millis(200)); // rank 0's second job is queued by now
-        prog.run(|c| c.barrier()).unwrap();
-        prog.run(|c| c.barrier()).unwrap();
+        queued.recv().unwrap(); // rank 0 has queued both jobs
+        for _ in 0..3 {
+            prog.run(|c| c.barrier()).unwrap();
+        }
         prog.close();
     });
     let prog = Arc::new(Progress::new(Communicator::attach(&path, 0, 2, Duration::from_secs(20)).unwrap()));
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let (p2, s2) = (Arc::clone(&prog), Arc::clone(&seen));
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let (p2, l2) = (Arc::clone(&prog), Arc::clone(&log));
     let first = prog.submit(
         Box::new(|c| c.barrier()),
         Box::new(move |res| {
             res.unwrap();
-            let t = std::time::Instant::now();
-            let r = p2.run(|c| c.barrier());
-            s2.lock().unwrap().push((r.map_err(|e| e.to_string()), t.elapsed()));
+            issue(&p2, &l2);
+            l2.lock().unwrap().push("1 returned".to_string());
         }),
     );
-    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let d2 = Arc::clone(&done);
+    let l3 = Arc::clone(&log);
     let second = prog.submit(
         Box::new(|c| c.barrier()),
         Box::new(move |res| {
             res.unwrap();
-            d2.store(true, std::sync::atomic::Ordering::SeqCst);
+            l3.lock().unwrap().push("2".to_string());
         }),
     );
-    assert!(first < second);
-    // Not help_until: that would run the first job (and its callback) on this thread.
+    assert_eq!((first, second), (1, 2));
+    go.send(()).unwrap();
+    // Not help_until on this thread: the callbacks must get through on the progress thread.
     let t = std::time::Instant::now();
-    while !done.load(std::sync::atomic::Ordering::SeqCst) {
-        assert!(t.elapsed() < Duration::from_secs(20), "the queued job did not complete");
+    while log.lock().unwrap().len() < 3 {
+        assert!(t.elapsed() < Duration::from_secs(20), "stuck: {:?}", log.lock().unwrap());
         std::thread::sleep(Duration::from_millis(1));
     }
     peer.join().unwrap();
-    let seen = seen.lock().unwrap();
-    let (r, took) = &seen[0];
-    assert!(r.as_ref().is_err_and(|e| e.contains("completion callback")), "{r:?}");
-    assert!(*took < Duration::from_secs(1), "{took:?}");
     prog.close();
     std::fs::remove_dir_all(&dir).unwrap();
+    let log = log.lock().unwrap().clone();
+    log
+}
+
+/// A completion callback that issues a synchronous collective while a later job is queued
+/// (which on the progress thread would run only after the callback returned) first runs
+/// that job, its callback included, on its own thread, in issue order, then its call.
+#[test]
+fn progress_sync_call_from_a_callback_runs_the_queued_jobs_first() {
+    let log = callback_issues_a_call(|prog, log| {
+        prog.run(|c| c.barrier()).unwrap();
+        log.lock().unwrap().push("sync call returned".to_string());
+    });
+    assert_eq!(log, ["2", "sync call returned", "1 returned"]);
+}
+
+/// A completion callback that queues a call and waits for it (PowerSGD's DDP hook does,
+/// through `get_future().wait()`, which cannot help) gets it run on its own thread after
+/// the job queued before it, callbacks in ticket order, with its own callback suspended.
+#[test]
+fn progress_call_queued_and_waited_for_in_a_callback_completes() {
+    let log = callback_issues_a_call(|prog, log| {
+        assert!(prog.in_own_callback());
+        let l = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let l2 = Arc::clone(&l);
+        let ticket = prog.submit(Box::new(|c| c.barrier()), Box::new(move |res| l2.lock().unwrap().push(res.is_ok())));
+        assert_eq!(ticket, 3);
+        prog.help_until(ticket);
+        assert_eq!(*l.lock().unwrap(), [true]);
+        log.lock().unwrap().push("3".to_string());
+    });
+    assert_eq!(log, ["2", "3", "1 returned"]);
 }
 
 #[test]
