@@ -306,14 +306,16 @@ def rank_ddp_overlap(steps: int) -> dict:
     return {"buckets": buckets, "overlapped": overlapped, "grads_equal": all(grads_equal)}
 
 
-def rank_collectives_from_callbacks() -> dict:
+def rank_collectives_from_callbacks(device: str) -> dict:
     """Completion callbacks (``get_future().then``) that issue collectives on the same group:
     one runs a synchronous allreduce while a later asynchronous call is still queued, one
-    queues an allreduce and waits for its future (PowerSGD's DDP hook does). Each callback
-    is attached after every call this thread issues before it, so the group's order is the
-    same on every rank whichever thread runs the callback."""
+    queues an allreduce and waits for its future (PowerSGD's DDP hook does), one reduces
+    the finished work's own result again (on a device, whose copy back the call orders
+    after). Each callback is attached after every call this thread issues before it, so the
+    group's order is the same on every rank whichever thread runs the callback."""
     rank = dist.get_rank()
-    a, b, c, d, e = (torch.full((3,), float(rank + k)) for k in (1, 10, 100, 1000, 10000))
+    dev = torch.device("flagos", rank) if device == "flagos" else torch.device("cpu")
+    a, b, c, d, e, f = (torch.full((3,), float(rank + k), device=dev) for k in (1, 10, 100, 1000, 10000, 5))
 
     def sync(fut):
         dist.all_reduce(c)
@@ -322,13 +324,17 @@ def rank_collectives_from_callbacks() -> dict:
     def waits(fut):
         return dist.all_reduce(b, async_op=True).get_future().wait()[0] * 2
 
+    def again(fut):
+        return dist.all_reduce(fut.value()[0], async_op=True).get_future().wait()[0]
+
     first = dist.all_reduce(a, async_op=True)
     queued = dist.all_reduce(d, async_op=True)
     res = {"sync": first.get_future().then(sync).wait().tolist()}
     queued.wait()
     res["waits"] = dist.all_reduce(e, async_op=True).get_future().then(waits).wait().tolist()
-    dist.all_reduce(later := torch.ones(2))
-    res.update(a=a.tolist(), d=d.tolist(), e=e.tolist(), later=later.tolist())
+    res["again"] = dist.all_reduce(f, async_op=True).get_future().then(again).wait().tolist()
+    dist.all_reduce(later := torch.ones(2, device=dev))
+    res.update({k: v.tolist() for k, v in (("a", a), ("d", d), ("e", e), ("f", f), ("later", later))})
     return res
 
 
@@ -463,13 +469,21 @@ def test_latch_wakes_every_waiter_once_set_and_times_out_before():
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_collectives_issued_from_completion_callbacks_complete(worlds, world_size):
-    n = world_size
+    check_collectives_from_callbacks(worlds(world_size).run(rank_collectives_from_callbacks, "cpu"), world_size)
+
+
+def test_collectives_issued_from_completion_callbacks_complete_on_flagos(worlds, emulator_built):  # noqa: F811
+    check_collectives_from_callbacks(worlds(2, **EMU_ENV).run(rank_collectives_from_callbacks, "flagos"), 2)
+
+
+def check_collectives_from_callbacks(results: list, n: int) -> None:
     tri = n * (n - 1) / 2  # sum of the ranks
-    for res in worlds(n).run(rank_collectives_from_callbacks):
+    for res in results:
         assert res["a"] == [tri + n] * 3 and res["d"] == [tri + 1000 * n] * 3, res
         assert res["e"] == [tri + 10000 * n] * 3, res
         assert res["sync"] == [2 * (tri + 100 * n)] * 3, res
         assert res["waits"] == [2 * (tri + 10 * n)] * 3, res
+        assert res["again"] == res["f"] == [n * (tri + 5 * n)] * 3, res
         assert res["later"] == [float(n)] * 2, res
 
 

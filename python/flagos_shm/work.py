@@ -107,6 +107,8 @@ class ShmWork:
     _lock = _NO_LOCK
     #: Functions to call with the error (or None) when the work completes; None once it has.
     _callbacks: Optional[list] = None
+    #: The thread running this work's completion callbacks (:meth:`completing_here`).
+    _completer: int = 0
 
     def __init__(self, outputs: list[torch.Tensor], error: Optional[BaseException] = None, *,
                  pending: bool = False, abort: Optional[Callable[[], None]] = None,
@@ -139,6 +141,7 @@ class ShmWork:
                 return
             self._callbacks = None
             self._error = error
+            self._completer = threading.get_ident()
         for fn, args in callbacks:
             try:
                 fn(*args, error)
@@ -185,6 +188,12 @@ class ShmWork:
         if self._error is not None:
             raise self._error
         return True
+
+    def completing_here(self) -> bool:
+        """Whether the calling thread is running this work's completion callbacks (e.g. a
+        ``get_future().then`` callback): its results are in, and waiting for the work
+        there would wait for the caller itself."""
+        return self._completer == threading.get_ident() and not self._done.is_set()
 
     def _give_up(self) -> None:
         if self._abort is not None:

@@ -293,10 +293,12 @@ class CollectiveBase:
             return
         mine = _extents(_tensors(tensors, []))
         # Works of a group complete in issue order: waiting for the last overlapping one
-        # covers the earlier ones. Its error is its own; this call goes on.
+        # covers the earlier ones. Its error is its own; this call goes on. A work whose
+        # completion callbacks this thread runs (a call made from one) has its results in:
+        # waiting for it would wait for this very call.
         last = None
         for i, (work, spans) in enumerate(self._pending):
-            if _overlap(mine, spans):
+            if _overlap(mine, spans) and not work.completing_here():
                 last = i
         if last is not None:
             with contextlib.suppress(Exception):
@@ -304,7 +306,7 @@ class CollectiveBase:
             del self._pending[: last + 1]
         last = None
         for i, (work, outs) in enumerate(self._inflight):
-            if _overlap(mine, _extents(outs)):
+            if _overlap(mine, _extents(outs)) and not work.completing_here():
                 last = i
         if last is not None:
             with contextlib.suppress(Exception):
