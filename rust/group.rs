@@ -97,6 +97,14 @@ fn ms(d: Duration) -> String {
     format!("{:.3} s", d.as_secs_f64())
 }
 
+impl Drop for Communicator {
+    /// Tells the peers this rank has left the group ([`sync::leave`]): one still waiting
+    /// for it, or arriving at a later call, fails at once instead of at its timeout.
+    fn drop(&mut self) {
+        sync::leave(&self.seg, self.rank);
+    }
+}
+
 impl Communicator {
     /// Maps the segment at `path` as `rank` of `world_size`, waits until all ranks have
     /// attached (at most `timeout`) and unlinks the file. On any failure the file is
@@ -559,5 +567,11 @@ impl AbortHandle {
         if let Some(seg) = self.seg.upgrade() {
             sync::abort(&seg, self.rank);
         }
+    }
+
+    /// Whether group rank `peer` has closed the group ([`sync::leave`]); `false` for a
+    /// rank out of range, and once this communicator has been dropped.
+    pub fn peer_left(&self, peer: usize) -> bool {
+        self.seg.upgrade().is_some_and(|seg| peer < seg.world_size() && sync::has_left(&seg, peer))
     }
 }

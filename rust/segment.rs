@@ -35,7 +35,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64};
 /// `b"FLGOSSHM"` read as a little-endian u64.
 pub const MAGIC: u64 = u64::from_le_bytes(*b"FLGOSSHM");
 /// Bumped whenever the layout or the protocol changes.
-pub const VERSION: u32 = 3;
+pub const VERSION: u32 = 4;
 /// Bytes of one rank's control block.
 pub(crate) const CTRL: usize = 2 * LINE;
 /// Bytes of one chunk slot of a new segment, unless the caller asks for a size
@@ -113,7 +113,10 @@ pub struct RankCtrl {
     /// Result of this rank's probe of every peer: 0 not yet, 1 every read and every
     /// write worked, 3 every read but not every write, 2 not every read.
     pub cma: AtomicU64,
-    _pad0: [u8; LINE - 40],
+    /// Non-zero once the rank has closed the group (dropped its communicator) while its
+    /// process lives on: peers waiting for it fail at once instead of at the timeout.
+    pub left: AtomicU32,
+    _pad0: [u8; LINE - 44],
     /// Descriptors of the collective this rank is in, indexed by step parity.
     pub desc: [[AtomicU64; DESC_WORDS]; 2],
     _pad1: [u8; LINE - 2 * DESC_WORDS * 8],

@@ -83,6 +83,19 @@ pub fn abort(seg: &Segment, rank: usize) {
     doorbell(seg.group()).ring(true);
 }
 
+/// Publishes that `rank` has closed the group (its communicator was dropped) and wakes
+/// every waiter, so that peers waiting for it fail now ([`check_stop`]) rather than at
+/// their timeout while its process lives on (Gloo's peers see the connection close).
+pub fn leave(seg: &Segment, rank: usize) {
+    seg.ctrl(rank).left.store(1, Ordering::Release);
+    doorbell(seg.group()).ring(true);
+}
+
+/// Whether rank `r` has closed the group ([`leave`]).
+pub fn has_left(seg: &Segment, r: usize) -> bool {
+    seg.ctrl(r).left.load(Ordering::Acquire) != 0
+}
+
 /// Returns the rank that aborted the group, if any. The value is read from shared memory
 /// and only ever printed, never used as an index.
 pub fn aborted_by(seg: &Segment) -> Option<usize> {
@@ -174,7 +187,10 @@ fn wait_arrivals(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     Waiter::new(doorbell(seg.group()), ctx.deadline).skip_spin(shares_cpu).until(
         all_in,
         || check_stop(seg, step, ctx),
-        || aborted_by(seg).is_some(),
+        || {
+            aborted_by(seg).is_some()
+                || (0..seg.world_size()).any(|r| has_left(seg, r) && seg.ctrl(r).arrived.load(Ordering::Acquire) < step)
+        },
     )
 }
 
@@ -191,6 +207,15 @@ fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
         .collect();
     if !dead.is_empty() {
         return Err(Error::PeerDied(format!("{}; {} exited", head(&m), dead.join(", "))));
+    }
+    let gone: Vec<String> =
+        m.iter().filter(|&&r| has_left(seg, r)).map(|&r| format!("rank {r} (pid {})", seg.ctrl(r).pid.load(Ordering::Relaxed))).collect();
+    if !gone.is_empty() {
+        return Err(Error::PeerDied(format!(
+            "{}; {} closed the group (destroy_process_group) without making this call",
+            head(&m),
+            gone.join(", ")
+        )));
     }
     // After the liveness check, so that every survivor of a dead peer says so, not only
     // the first one to notice (which aborts the group for the others).

@@ -175,6 +175,14 @@ fn with_timeout<R>(
     r
 }
 
+impl PyCommunicator {
+    /// A handle that aborts the group or asks whether a peer left it, without the
+    /// communicator (for the point-to-point channels of the same group).
+    pub(super) fn abort_handle(&self) -> AbortHandle {
+        self.aborter.clone()
+    }
+}
+
 impl Drop for PyCommunicator {
     fn drop(&mut self) {
         if !self.owned() {
@@ -370,6 +378,12 @@ communicator_methods! {
             }
             let err = raised.lock().unwrap_or_else(|p| p.into_inner()).take();
             Err(err.unwrap_or_else(|| PyRuntimeError::new_err("wait_ticket: interrupted")))
+        }
+
+        /// Whether group rank `peer` has closed the group (``destroy_process_group``) while
+        /// its process lives on; False for a rank out of range and after `close`.
+        fn peer_left(&self, peer: usize) -> bool {
+            self.aborter.peer_left(peer)
         }
 
         /// Aborts the group: every rank's pending and later calls raise RuntimeError. Safe to

@@ -45,10 +45,26 @@ impl PyP2PChannel {
         Ok(crate::p2p::segment_bytes(slots, slot_bytes))
     }
 
+    /// Attaches side `side` of the pair segment at `path`; `group` and `group_rank`, when
+    /// given, are the group the channel serves and the peer's rank in it: waits fail once
+    /// the peer has closed that group (`Communicator.peer_left`).
     #[new]
-    fn new(py: Python<'_>, path: &str, side: usize, peer_pid: u32, peer: &str) -> PyResult<Self> {
+    #[pyo3(signature = (path, side, peer_pid, peer, group=None, group_rank=0))]
+    fn new(
+        py: Python<'_>,
+        path: &str,
+        side: usize,
+        peer_pid: u32,
+        peer: &str,
+        group: Option<PyRef<'_, super::communicator::PyCommunicator>>,
+        group_rank: usize,
+    ) -> PyResult<Self> {
         let (p, name) = (path.to_owned(), peer.to_owned());
         let inner = py.detach(|| crate::p2p::Channel::open(Path::new(&p), side, peer_pid, &name)).map_err(|e| to_py(e, None))?;
+        if let Some(group) = group {
+            let handle = group.abort_handle();
+            inner.watch_peer(move || handle.peer_left(group_rank));
+        }
         Ok(PyP2PChannel { inner, path: path.to_owned() })
     }
 

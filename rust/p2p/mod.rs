@@ -65,7 +65,7 @@ use memmap2::MmapRaw;
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 /// A message read ahead of its receive (another tag was asked for first).
@@ -107,6 +107,9 @@ struct Wait<'a> {
 }
 
 /// One side's end of a pair segment.
+/// See [`Channel::watch_peer`].
+type PeerGone = Box<dyn Fn() -> bool + Send + Sync>;
+
 pub struct Channel {
     map: MmapRaw,
     path: PathBuf,
@@ -118,6 +121,9 @@ pub struct Channel {
     unlinked: AtomicBool,
     aborted: AtomicBool,
     closed: AtomicBool,
+    /// Whether the peer has left the process group the channel belongs to (its group was
+    /// destroyed), when the owner set it ([`Channel::watch_peer`]); checked while waiting.
+    peer_gone: OnceLock<PeerGone>,
     tx: Mutex<TxState>,
     rx: Mutex<RxState>,
 }
@@ -157,6 +163,7 @@ impl Channel {
             unlinked: AtomicBool::new(false),
             aborted: AtomicBool::new(false),
             closed: AtomicBool::new(false),
+            peer_gone: OnceLock::new(),
             tx: Mutex::new(TxState { next: 0, broken: None }),
             rx: Mutex::new(RxState { next: 0, stash: VecDeque::new(), mid: false, broken: None }),
         };
@@ -164,6 +171,14 @@ impl Channel {
             ch.unlink();
         }
         Ok(ch)
+    }
+
+    /// Makes waits on this channel fail (`Aborted`) once `gone()` returns true: the peer
+    /// has left the process group the channel serves while its process lives on (say,
+    /// `destroy_process_group` before a receive it never attached for). Checked every
+    /// sleep slice. Only the first call has an effect.
+    pub fn watch_peer(&self, gone: impl Fn() -> bool + Send + Sync + 'static) {
+        let _ = self.peer_gone.set(Box::new(gone));
     }
 
     pub fn path(&self) -> &Path {
@@ -272,6 +287,9 @@ impl Channel {
         }
         if pair.closed[1 - self.side].load(Ordering::Acquire) != 0 {
             return Err(Error::Aborted(format!("{}: the peer closed its end (its process group was destroyed)", head())));
+        }
+        if self.peer_gone.get().is_some_and(|gone| gone()) {
+            return Err(Error::Aborted(format!("{}: the peer closed the process group (destroy_process_group)", head())));
         }
         if Instant::now() >= w.deadline {
             return Err(Error::Timeout(format!("{}: not completed within the timeout of {:.3} s", head(), w.timeout.as_secs_f64())));

@@ -1133,3 +1133,27 @@ fn world_size_one_works_where_the_data_lies_bit_for_bit() {
     });
     assert!(results[0].is_empty(), "{:?}", results[0]);
 }
+
+/// A rank that drops its communicator (closes the group) while its process lives on: a
+/// peer waiting for it fails at once with `PeerDied` naming it, not at the timeout.
+#[test]
+fn a_peer_that_closed_the_group_is_reported_at_once() {
+    let dir = tmpdir();
+    let path = segment::create(&dir, 2, SLOT).unwrap();
+    let p = path.clone();
+    let peer = std::thread::spawn(move || {
+        let mut c = Communicator::attach(&p, 1, 2, Duration::from_secs(20)).unwrap();
+        c.barrier().unwrap();
+        drop(c);
+    });
+    let mut comm = Communicator::attach(&path, 0, 2, Duration::from_secs(20)).unwrap();
+    comm.barrier().unwrap();
+    peer.join().unwrap();
+    let t = std::time::Instant::now();
+    let err = comm.barrier().unwrap_err();
+    assert!(matches!(err, Error::PeerDied(_)), "{err}");
+    assert!(err.to_string().contains("rank 1 (pid") && err.to_string().contains("closed the group"), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    drop(comm);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

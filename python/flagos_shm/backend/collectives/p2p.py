@@ -84,6 +84,9 @@ class _Mailbox:
         self.group_name = group._group_name
         self.pids = list(getattr(group, "_pids", None) or [0] * self.world_size)
         self.segment_id = os.path.basename(group._comm.path)
+        #: The group's core communicator on one node (None across nodes): tells whether a
+        #: group rank has closed the group, so that waiting for it ends then.
+        self.comm = group._comm if isinstance(group._comm, _core.Communicator) else None
         self.channels: dict = {}
         self.lock = threading.Lock()
         self.connecting: dict = {}  # peer -> lock held while connecting
@@ -157,6 +160,9 @@ class _Mailbox:
                 pid = self.pids[peer] if peer < len(self.pids) else 0
                 if pid and _core.process_exited(pid):
                     raise RuntimeError(f"connecting to {self.peer_name(peer)}: the peer exited")
+                if self.comm is not None and self.comm.peer_left(peer):
+                    raise RuntimeError(f"connecting to {self.peer_name(peer)}: the peer closed the group "
+                                       "(destroy_process_group)")
                 if self.aborted or self.closed:
                     raise RuntimeError(f"connecting to {self.peer_name(peer)}: the group was aborted or shut down")
                 if time.monotonic() >= deadline:
@@ -171,7 +177,7 @@ class _Mailbox:
         side = 0 if self.rank == lo else 1
         pid = self.pids[peer] if peer < len(self.pids) else 0
         try:
-            return _core.P2PChannel(path, side, pid, self.peer_name(peer))
+            return _core.P2PChannel(path, side, pid, self.peer_name(peer), self.comm, peer)
         except FileNotFoundError as exc:
             raise RuntimeError(f"connecting to {self.peer_name(peer)}: its channel is gone (the peer closed or "
                                f"exited before this rank attached) ({exc})") from exc
