@@ -45,6 +45,27 @@ def test_the_main_thread_never_parks(exit_handler_begun):
     assert exiting.leaving_with_error() is False
 
 
+def _returning_on_thread(daemon: bool) -> bool:
+    out = {}
+    t = threading.Thread(target=lambda: out.update(park=exiting.returning_at_exit()), daemon=daemon)
+    t.start()
+    t.join(30)
+    return out["park"]
+
+
+def test_once_the_exit_handler_has_begun_only_a_daemon_thread_parks_after_a_call_that_succeeds(
+        exit_handler_begun):
+    # A non-daemon thread still running then was started by an atexit handler, which may join it.
+    assert _returning_on_thread(daemon=True) is True
+    assert _returning_on_thread(daemon=False) is False
+    assert exiting.returning_at_exit() is False  # the main thread
+
+
+def test_before_the_exit_handler_no_thread_parks_after_a_call_that_succeeds(monkeypatch):
+    monkeypatch.setattr(exiting, "_exiting", False)
+    assert _returning_on_thread(daemon=True) is False
+
+
 def test_before_the_exit_handler_a_thread_goes_back_and_its_landing_is_recorded(monkeypatch):
     monkeypatch.setattr(exiting, "_exiting", False)
     out = {}

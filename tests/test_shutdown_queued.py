@@ -217,7 +217,9 @@ def test_a_daemon_threads_call_ending_while_python_finalizes_does_not_abort(slow
 # interpreter's finalization) the race did not show. Rank 0 leaves a daemon thread in a call
 # that rank 1 never matches and exits with sys.exit(0), after destroy_process_group (case
 # "destroy": the shutdown ends the thread's all_reduce) or without it ("recv": the exit's abort
-# of point-to-point transfers ends its recv); rank 1 stays until rank 0 has exited.
+# of point-to-point transfers ends its recv); or both ranks loop over 64 MiB allreduces in a
+# daemon thread, whose calls keep succeeding while rank 0 exits ("loop"); rank 1 stays until
+# rank 0 has exited.
 EXIT_RACE_PY = """
 import os, sys, threading, time
 from datetime import timedelta
@@ -229,7 +231,19 @@ dist.init_process_group("flagos_shm", init_method="file://" + os.path.join(tmp, 
                         world_size=2, timeout=timedelta(seconds=60))
 t = torch.ones(1024)
 dist.all_reduce(t)
-if rank == 0:
+if case == "loop":
+    big = torch.ones(16 << 20)
+    def loop():
+        try:
+            while True:
+                dist.all_reduce(big)
+        except RuntimeError:  # rank 1: rank 0 exited
+            pass
+    threading.Thread(target=loop, daemon=True).start()
+    if rank == 0:
+        time.sleep(0.5)
+        sys.exit(0)
+elif rank == 0:
     entered = threading.Event()
     def blocked():
         entered.set()
@@ -250,17 +264,18 @@ os._exit(0)
 """
 
 
-@pytest.mark.parametrize("case", ["destroy", "recv"])
+@pytest.mark.parametrize("case", ["destroy", "recv", "loop"])
 def test_a_daemon_threads_call_ended_by_the_exit_does_not_abort_it(case, tmp_path):
     """A daemon thread whose call the exit itself ends (the main thread's
     ``destroy_process_group`` just before it returns, or the exit's abort of point-to-point
-    transfers) leaves the process exiting with status 0, four times in a row: the thread
-    either raises before the interpreter finalizes (flagos_shm's exit handler waits for it)
-    or, once that handler has begun, parks instead of going back through torch's frames
-    (``flagos_shm.backend.exiting``). Before, torch took the GIL back for it during
-    finalization and CPython's ``pthread_exit`` aborted the process (SIGABRT) in 2-5 of 8 runs
-    of each case on torch 2.15 and 2.10 (Intel Xeon VM, 2026-12-06). The race is not forced,
-    so this test catches such a regression in most runs, not in all."""
+    transfers), or whose calls keep succeeding while the process exits, leaves the process
+    exiting with status 0, four times in a row: the thread either raises before the
+    interpreter finalizes (flagos_shm's exit handler waits for it) or, once that handler has
+    begun, parks instead of going back through torch's frames (``flagos_shm.backend.exiting``,
+    ``rust/binding/exit.rs``). Before, torch took the GIL back for it during finalization and
+    CPython's ``pthread_exit`` aborted the process (SIGABRT) in 2-5 of 8 runs of each case on
+    torch 2.15 and 2.10 (Intel Xeon VM, 2026-12-06). The race is not forced, so this test
+    catches such a regression in most runs, not in all."""
     script = tmp_path / "exit_race.py"
     script.write_text(EXIT_RACE_PY)
     env = {**os.environ, "FLAGOS_SHM_CACHE_DIR": os.environ.get("FLAGOS_SHM_CACHE_DIR", "")}

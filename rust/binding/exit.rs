@@ -14,8 +14,8 @@
 //! So `flagos_shm`'s `atexit` handler calls [`python_exiting`]: from then on, on every
 //! thread but the one exiting (the one that ran the handler, which finalizes), a callback
 //! on a progress thread is leaked, a waiting call stops checking for signals, and a
-//! blocking call that returns while the interpreter finalizes parks its thread until the
-//! process exits ([`detach_blocking`]), as CPython 3.14 does with such threads.
+//! blocking call that returns parks its thread until the process exits
+//! ([`detach_blocking`]), as CPython 3.14 does with such threads once it finalizes.
 
 use pyo3::prelude::*;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
@@ -39,8 +39,8 @@ static ENTRIES: AtomicUsize = AtomicUsize::new(0);
 ///   leaked, with the tensors it holds, so memory a call still running uses stays valid
 ///   until the process exits;
 /// - a thread waiting in a call no longer takes the GIL to check for signals;
-/// - a blocking call that returns once the interpreter finalizes does not return to Python:
-///   its thread parks until the process exits ([`detach_blocking`]).
+/// - a blocking call that returns from now on does not return to Python: its thread parks
+///   until the process exits ([`detach_blocking`]).
 ///
 /// Returns once the threads already inside Python on the binding's behalf have left it, and
 /// the threads whose blocking call has ended (or, for an inline call, has let go of the
@@ -114,17 +114,20 @@ pub(super) fn signal_raised(raised: &Mutex<Option<PyErr>>) -> bool {
 }
 
 /// `py.detach(f)` for a call that may block (a collective, a wait, a point-to-point
-/// transfer): if `f` returns while the interpreter finalizes, on a thread other than the
+/// transfer): if `f` returns after [`python_exiting`] has begun, on a thread other than the
 /// exiting one, the thread parks until the process exits instead of taking the GIL back
-/// (module docs).
+/// (module docs). (It parked only once the interpreter finalized; a daemon thread whose
+/// collective ended between the exit handler and finalization then waited for the GIL and
+/// met finalization there: 2-5 aborts in 8 runs of a daemon thread looping over 64 MiB
+/// allreduces while the main thread returned, Intel Xeon VM, 2026-12-06.) Every non-daemon
+/// thread has been joined before `atexit` handlers run, so only a thread started by a later
+/// handler and joined there would wait for good.
 ///
 /// From the moment `f` returns until the thread holds the GIL again it counts as an
 /// [`Entry`], so [`python_exiting`] (which waits with the GIL released for the entries to
-/// leave) lets a call that ends before or while it runs take the GIL before the exiting
-/// thread goes on towards finalization; the thread then meets `flagos_shm`'s exit checks on
-/// its way back to the caller (`backend/exiting.py`). Left open: a call that ends after
-/// [`python_exiting`] has returned, whose check and CPython's finalization can still cross
-/// in the moment between the check and the GIL request.
+/// leave) lets a call that ends before it runs take the GIL before the exiting thread goes
+/// on towards finalization; the thread then meets `flagos_shm`'s exit checks on its way
+/// back to the caller (`backend/exiting.py`).
 pub(super) fn detach_blocking<T: Send>(py: Python<'_>, f: impl Send + FnOnce() -> T) -> T {
     let (out, entry) = py.detach(|| {
         let out = IN_CALL.with(|flag| {
@@ -134,7 +137,7 @@ pub(super) fn detach_blocking<T: Send>(py: Python<'_>, f: impl Send + FnOnce() -
             out
         });
         let entry = RETURNING.with(|r| r.take()).unwrap_or_else(Entry::new);
-        if exiting_elsewhere() && finalizing() {
+        if exiting_elsewhere() {
             drop(entry);
             loop {
                 std::thread::park();
@@ -199,24 +202,4 @@ pub(super) fn returning() {
         let entry = r.take().unwrap_or_else(Entry::new);
         r.set(Some(entry));
     });
-}
-
-/// Whether CPython is finalizing: `Py_IsFinalizing` (3.13 on) or `_Py_IsFinalizing`
-/// (3.9-3.12), which read one atomic field and need no GIL. The stable ABI this module is
-/// built against has neither, so they are looked up in the running process; false where
-/// neither is found.
-fn finalizing() -> bool {
-    type IsFinalizing = unsafe extern "C" fn() -> std::os::raw::c_int;
-    static FUNCTION: OnceLock<Option<IsFinalizing>> = OnceLock::new();
-    let f = FUNCTION.get_or_init(|| {
-        [c"Py_IsFinalizing", c"_Py_IsFinalizing"].into_iter().find_map(|name| {
-            // SAFETY: `name` is a NUL-terminated string; dlsym only reads it.
-            let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
-            // SAFETY: both symbols are CPython functions `int f(void)` (Include/pylifecycle.h,
-            // Include/cpython/pylifecycle.h), so the pointer has this type.
-            (!p.is_null()).then(|| unsafe { std::mem::transmute::<*mut libc::c_void, IsFinalizing>(p) })
-        })
-    });
-    // SAFETY: a CPython function of this type that takes no lock and may run without the GIL.
-    f.is_some_and(|f| unsafe { f() } != 0)
 }

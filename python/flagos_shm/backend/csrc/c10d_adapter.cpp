@@ -33,6 +33,7 @@
 #include "staging.hpp"
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <exception>
 #include <functional>
@@ -74,9 +75,13 @@ void release(py::object& obj) {
   obj = py::object();
 }
 
-// flagos_shm.backend.exiting.leaving_with_error, looked up when this module is loaded; never
-// released (the interpreter may be gone at process exit).
+// flagos_shm.backend.exiting.leaving_with_error and .returning_at_exit, looked up when this
+// module is loaded; never released (the interpreter may be gone at process exit).
 PyObject* leaving_with_error = nullptr;
+PyObject* returning_at_exit = nullptr;
+// Set (exit_handler_begins below) when flagos_shm's atexit handler begins: from then on a call
+// that succeeds asks returning_at_exit too. Before, it costs one relaxed load per call.
+std::atomic<bool> exit_begun{false};
 
 // The GIL, taken to call the Python side, for a call that returns to torch: when the call
 // raises, the thread is about to release the GIL and go back through torch's frames, where
@@ -91,7 +96,10 @@ class PythonCall {
   PythonCall& operator=(const PythonCall&) = delete;
 
   ~PythonCall() {
-    if (std::uncaught_exceptions() > uncaught_ && leaving_with_error != nullptr && must_park()) {
+    PyObject* ask = std::uncaught_exceptions() > uncaught_ ? leaving_with_error
+                    : exit_begun.load(std::memory_order_relaxed) ? returning_at_exit
+                                                                 : nullptr;
+    if (ask != nullptr && must_park(ask)) {
       PyEval_SaveThread();  // never taken back: the interpreter abandons this thread
       for (;;) {
         std::this_thread::sleep_for(std::chrono::hours(24));
@@ -100,12 +108,12 @@ class PythonCall {
   }
 
  private:
-  static bool must_park() noexcept {  // GIL held
+  static bool must_park(PyObject* ask) noexcept {  // GIL held
     PyObject* type = nullptr;
     PyObject* value = nullptr;
     PyObject* trace = nullptr;
     PyErr_Fetch(&type, &value, &trace);  // none is set (pybind11 took it); keep it so
-    PyObject* answer = PyObject_CallNoArgs(leaving_with_error);
+    PyObject* answer = PyObject_CallNoArgs(ask);
     const bool park = answer != nullptr && PyObject_IsTrue(answer) == 1;
     Py_XDECREF(answer);
     PyErr_Clear();
@@ -814,8 +822,12 @@ class ShmBackend : public c10d::Backend {
 PYBIND11_MODULE(flagos_shm_c10d, m) {
   m.doc() = "flagos_shm's c10d adapter (built against the installed torch by flagos_shm.backend.adapter)";
   py::module_::import("torch._C._distributed_c10d");  // registers c10d.Backend, Work, the options
-  flagos_shm::leaving_with_error =
-      py::module_::import("flagos_shm.backend.exiting").attr("leaving_with_error").cast<py::object>().release().ptr();
+  py::module_ exiting = py::module_::import("flagos_shm.backend.exiting");
+  flagos_shm::leaving_with_error = exiting.attr("leaving_with_error").cast<py::object>().release().ptr();
+  flagos_shm::returning_at_exit = exiting.attr("returning_at_exit").cast<py::object>().release().ptr();
+  m.def("exit_handler_begins", []() { flagos_shm::exit_begun.store(true); },
+        "from now on a call that succeeds asks flagos_shm.backend.exiting.returning_at_exit whether its "
+        "thread parks");
   // A work's error, met by any pybind11 binding (torch's Work.wait, Future.wait, ...), becomes
   // the Python exception it came from.
   m.def("set_pinned_pool_limit", [](int64_t bytes) { flagos_shm::pinned_pool().set_limit(bytes); },
