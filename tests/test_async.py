@@ -340,15 +340,23 @@ def rank_collectives_from_callbacks(device: str) -> dict:
 
 def rank_powersgd(steps: int) -> dict:
     """DDP with torch's PowerSGD comm hook (its callbacks issue allreduces and wait for their
-    futures), trained once over the world group and once over a Gloo group from the same
-    start; the parameters must be bitwise equal (a sum of two ranks does not depend on order)."""
+    futures), trained once over the world group (callbacks on its progress thread) and once
+    over a group whose calls all run inline on the calling thread (``FLAGOS_SHM_ASYNC=0``,
+    where the callbacks run right away on the thread that issued the call) from the same
+    start; the parameters must be bitwise equal. (Not a Gloo group: its worker threads run
+    the hook's callbacks and may drop the last reference to the group, whose destructor
+    then joins its own thread and aborts the process, torch's own hazard.)"""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank = dist.get_rank()
-    gloo = dist.new_group(backend="gloo")
+    os.environ["FLAGOS_SHM_ASYNC"] = "0"
+    try:
+        inline = dist.new_group(backend="flagos_shm")
+    finally:
+        del os.environ["FLAGOS_SHM_ASYNC"]
     params = []
-    for group in (None, gloo):
+    for group in (None, inline):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
         ddp = DDP(model, process_group=group)
@@ -362,8 +370,9 @@ def rank_powersgd(steps: int) -> dict:
             ddp(torch.randn(6, 32)).pow(2).mean().backward()
             opt.step()
         params.append([p.detach().clone() for p in model.parameters()])
-    dist.destroy_process_group(gloo)
-    return {"equal_to_gloo": all(torch.equal(x, y) for x, y in zip(*params)),
+        del ddp, state, opt
+    dist.destroy_process_group(inline)
+    return {"equal_to_inline": all(torch.equal(x, y) for x, y in zip(*params)),
             "moved": not torch.equal(params[0][0], torch.nn.Linear(32, 64).weight)}
 
 
@@ -487,8 +496,8 @@ def check_collectives_from_callbacks(results: list, n: int) -> None:
         assert res["later"] == [float(n)] * 2, res
 
 
-def test_ddp_powersgd_hook_trains_as_over_gloo(worlds):
+def test_ddp_powersgd_hook_trains_as_with_inline_calls(worlds):
     # The hook's callbacks wait for futures of calls they issue: this hung before the
     # progress thread ran such calls itself.
     for res in worlds(2).run(rank_powersgd, 4):
-        assert res["equal_to_gloo"] and res["moved"], res
+        assert res["equal_to_inline"] and res["moved"], res
