@@ -208,8 +208,7 @@ fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     if !dead.is_empty() {
         return Err(Error::PeerDied(format!("{}; {} exited", head(&m), dead.join(", "))));
     }
-    let gone: Vec<String> =
-        m.iter().filter(|&&r| has_left(seg, r)).map(|&r| format!("rank {r} (pid {})", seg.ctrl(r).pid.load(Ordering::Relaxed))).collect();
+    let gone: Vec<String> = m.iter().filter(|&&r| has_left(seg, r)).map(|&r| format!("rank {r} (pid {})", pid_of(seg, r))).collect();
     if !gone.is_empty() {
         return Err(Error::PeerDied(format!(
             "{}; {} closed the group (destroy_process_group) without making this call",
