@@ -84,6 +84,15 @@ def test_no_compiler_is_a_clear_error(tmp_path, monkeypatch, source):
     assert not any(name.endswith(".so") for _, _, files in os.walk(tmp_path / "cache") for name in files)
 
 
+def test_a_cache_directory_that_cannot_be_made_is_named_with_its_setting(tmp_path, monkeypatch, source):
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("FLAGOS_SHM_CACHE_DIR", str(tmp_path / "a-file" / "cache"))  # below a file
+    monkeypatch.setenv("CXX", _fake_compiler(tmp_path))
+    with pytest.raises(_cxx.BuildError, match="a-file/cache.*FLAGOS_SHM_CACHE_DIR"):
+        _cxx.build(source, "probe", what="the probe", python_module=False)
+    assert _calls(tmp_path) == 0
+
+
 def test_missing_torch_headers_are_named(tmp_path, monkeypatch, source):
     import torch.utils.cpp_extension as cpp
 

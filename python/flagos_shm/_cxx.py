@@ -115,10 +115,11 @@ def build(source: str, name: str, *, what: str, python_module: bool, headers: tu
         ``<name>.so`` otherwise).
 
     Raises:
-        BuildError: no C++ compiler, missing torch or Python headers, or the compile
-            failed (the message has the command and the compiler's last output, and names
-            the torch version).
-        OSError: the cache directory cannot be written.
+        BuildError: no C++ compiler, missing torch or Python headers, the build directory
+            cannot be created under the cache directory (the message names it and
+            ``FLAGOS_SHM_CACHE_DIR``), or the compile failed (the message has the command
+            and the compiler's last output, and names the torch version).
+        OSError: the build directory cannot be written.
     """
     with open(source, "rb") as f:
         text = f.read()
@@ -136,7 +137,12 @@ def build(source: str, name: str, *, what: str, python_module: bool, headers: tu
     if os.path.exists(library):
         return library
     _check_headers(what, headers, python_module)
-    os.makedirs(directory, exist_ok=True)
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise BuildError(f"{what}: cannot create its build directory {directory!r} under the cache directory "
+                         f"{cache_root()!r} (${config.ENV_CACHE_DIR}, else $XDG_CACHE_HOME/flagos_shm or "
+                         f"~/.cache/flagos_shm): {exc}") from exc
     with open(os.path.join(directory, "build.lock"), "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)  # a second rank waits here for the first one's build
         if os.path.exists(library):  # built by another process meanwhile
