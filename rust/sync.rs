@@ -208,8 +208,10 @@ fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     if !dead.is_empty() {
         return Err(Error::PeerDied(format!("{}; {} exited", head(&m), dead.join(", "))));
     }
-    let gone: Vec<String> = m.iter().filter(|&&r| has_left(seg, r)).map(|&r| format!("rank {r} (pid {})", pid_of(seg, r))).collect();
-    if !gone.is_empty() {
+    let left: Vec<usize> = m.iter().copied().filter(|&r| has_left(seg, r)).collect();
+    // A rank that aborted the group and then closed it: its abort is the cause (below).
+    if !left.is_empty() && !aborted_by(seg).is_some_and(|a| left.contains(&a)) {
+        let gone: Vec<String> = left.iter().map(|&r| format!("rank {r} (pid {})", pid_of(seg, r))).collect();
         return Err(Error::PeerDied(format!(
             "{}; {} closed the group (destroy_process_group) without making this call",
             head(&m),
