@@ -448,6 +448,8 @@ fn timeout_names_the_missing_rank_and_aborts_the_group() {
     std::fs::remove_dir(&dir).unwrap();
 }
 
+/// Rank 1 aborts while rank 0 waits, then closes at once (its communicator drops at the
+/// end of its thread): rank 0 reports the abort, the cause, not the close.
 #[test]
 fn abort_releases_a_waiting_rank() {
     let dir = tmpdir();
@@ -1154,28 +1156,6 @@ fn a_peer_that_closed_the_group_is_reported_at_once() {
     assert!(matches!(err, Error::PeerDied(_)), "{err}");
     assert!(err.to_string().contains("rank 1 (pid") && err.to_string().contains("closed the group"), "{err}");
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
-    drop(comm);
-    std::fs::remove_dir_all(&dir).unwrap();
-}
-
-/// A rank that aborts the group and then closes it at once while a peer waits for it: the
-/// peer reports the abort (the cause), not the close. (Rank 0 is waiting by the time rank 1
-/// aborts unless the machine stalls it for 200 ms; the test then checks the entry check.)
-#[test]
-fn a_peer_that_aborted_then_closed_is_reported_as_the_abort() {
-    let dir = tmpdir();
-    let path = segment::create(&dir, 2, SLOT).unwrap();
-    let p = path.clone();
-    let peer = std::thread::spawn(move || {
-        let c = Communicator::attach(&p, 1, 2, Duration::from_secs(20)).unwrap();
-        std::thread::sleep(Duration::from_millis(200));
-        c.abort_handle().abort();
-        drop(c);
-    });
-    let mut comm = Communicator::attach(&path, 0, 2, Duration::from_secs(20)).unwrap();
-    let err = comm.barrier().unwrap_err();
-    peer.join().unwrap();
-    assert!(matches!(&err, Error::Aborted(m) if m.contains("aborted by rank 1")), "{err}");
     drop(comm);
     std::fs::remove_dir_all(&dir).unwrap();
 }
