@@ -5,6 +5,8 @@
 (b) A rank that cannot open its node's segment (another /dev/shm): every rank raises at once
     an error naming that rank and the likely cause (it publishes the cause in the store).
 (c) Ranks of one node in different PID namespaces: detected at set-up, named on every rank.
+(d) A rank that exits before calling ``new_group``: the others' ``new_group`` raises at once,
+    naming it (its process id is known from the default group), instead of at the timeout.
 
 Each test uses a group timeout of :data:`GROUP_TIMEOUT_S` and asserts detection well under
 it (:data:`DETECT_S`), timed from the moment every rank has started (``support.spawn.start_together``),
@@ -85,6 +87,41 @@ def test_rank_dying_after_publishing_its_pid_is_noticed_at_once(tmp_path):
     assert res["error"] is not None and "exited" in res["error"], res
     assert "rank 1" in res["error"], res
     assert res["elapsed"] < DETECT_S and res["latency"] < DETECT_S, res
+
+
+def exit_before_new_group(rank: int, world_size: int, tmp: str) -> dict:
+    """Every rank joins the default group; the last one then exits (its process ends
+    normally, as the spawn harness's child does), the others call ``new_group`` over every
+    rank with a timeout of :data:`GROUP_TIMEOUT_S` and report its error and how long it took."""
+    import flagos_shm  # noqa: F401
+    import torch
+
+    dist.init_process_group("flagos_shm", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    if rank == world_size - 1:
+        return {"sum": t.tolist()}
+    res = {"sum": t.tolist(), "error": None}
+    t0 = time.monotonic()
+    try:
+        dist.new_group(list(range(world_size)), timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    except RuntimeError as exc:
+        res["error"] = str(exc)
+    res["elapsed"] = time.monotonic() - t0
+    dist.destroy_process_group()
+    return res
+
+
+def test_rank_that_exits_before_new_group_is_noticed_at_once():
+    results = spawn(exit_before_new_group, 3, timeout=DEADLINE_S)
+    assert [r["sum"] for r in results] == [[3.0] * 4] * 3
+    for res in results[:2]:
+        print(f"(d) new_group raised after {res['elapsed']:.2f} s: {res['error']}")
+        # Before, the set-up waited for rank 2's process id until the timeout and said
+        # "not there within the group's timeout".
+        assert res["error"] is not None and "group rank 2" in res["error"] and "exited" in res["error"], res
+        assert res["elapsed"] < GROUP_TIMEOUT_S / 2, res
 
 
 @needs_unshare

@@ -66,7 +66,7 @@ def create_backend(backend_opts, pg_options=None):
     """The creator registered with ``torch.distributed.Backend.register_backend(...,
     extended_api=True)``: this rank's flagos_shm part of a new group, from
     ``_DistributedBackendOptions`` (``store``, ``group_rank``, ``group_size``, ``timeout``,
-    ``group_id``). ``pg_options`` is unused.
+    ``group_id``, ``global_ranks_in_group``). ``pg_options`` is unused.
 
     Returns:
         a C++ ``ShmBackend`` holding a new :class:`ShmGroup`; torch registers it for the
@@ -78,8 +78,11 @@ def create_backend(backend_opts, pg_options=None):
     """
     adapter = native()  # before the rendezvous: a rank that cannot build fails alone and at once
     name = str(getattr(backend_opts, "group_id", "") or "")
+    # c10d's global_ranks_in_group: the default group's ranks of the group's ranks, empty
+    # for the default group itself
+    global_ranks = [int(r) for r in getattr(backend_opts, "global_ranks_in_group", None) or []]
     group = ShmGroup(backend_opts.store, backend_opts.group_rank, backend_opts.group_size, backend_opts.timeout,
-                     group_name=name)
+                     group_name=name, global_ranks=global_ranks or range(backend_opts.group_size))
     return adapter.ShmBackend(group, backend_opts.group_rank, backend_opts.group_size)
 
 

@@ -35,6 +35,9 @@ class ShmGroup(Collectives):
         timeout: the group's timeout (``timedelta`` or seconds) for attaching and for each
             collective unless the call's options give another one.
         group_name: the c10d group name (error messages).
+        global_ranks: the default group's rank of each group rank (c10d's
+            ``global_ranks_in_group``; ``range(world_size)`` for the default group), or None
+            where unknown: lets the set-up notice at once a rank that exited before joining.
 
     Raises:
         ValueError: ``rank`` out of range, bad ``FLAGOS_SHM_DIR`` / ``FLAGOS_SHM_SLOT_BYTES``
@@ -49,10 +52,10 @@ class ShmGroup(Collectives):
     _sync_returns_none = True
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout=default_pg_timeout,
-                 group_name: str = ""):
+                 group_name: str = "", global_ranks=None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
-        self._setup(store, rank, world_size, timeout, group_name)
+        self._setup(store, rank, world_size, timeout, group_name, global_ranks)
 
     def __repr__(self) -> str:
         return f"ShmGroup(group={self._group_name!r}, rank={self._rank}, world_size={self._world_size})"
@@ -77,7 +80,9 @@ class ShmGroup(Collectives):
             return None
         timeout = getattr(opts, "_timeout", None) or timedelta(seconds=self._timeout_s)
         name = getattr(opts, "group_name", "") or f"{self._group_name}:split"
-        return ShmGroup(store, ranks.index(self._rank), len(ranks), timeout, group_name=name)
+        parents = self._global_ranks
+        return ShmGroup(store, ranks.index(self._rank), len(ranks), timeout, group_name=name,
+                        global_ranks=None if parents is None else [parents[r] for r in ranks])
 
     # ---- coalescing (``_coalescing_manager(device=...)``) -------------------------------
 

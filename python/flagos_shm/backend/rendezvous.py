@@ -216,11 +216,15 @@ def _parse_peer(value: str) -> dict:
 
 class _Watch:
     """The process ids of the ranks that share this rank's PID namespace, as far as they
-    are published (re-read at every call until all are known)."""
+    are published (re-read at every call until all are known), or, for a rank that has
+    not published yet, as ``known`` gives it (group rank -> identity: the process that is
+    that rank in another live group of this process, :func:`rendezvous`)."""
 
-    def __init__(self, store: dist.Store, base: str, rank: int, world_size: int, me: dict):
+    def __init__(self, store: dist.Store, base: str, rank: int, world_size: int, me: dict,
+                 known: Optional[dict] = None):
         self.store, self.base, self.rank, self.me = store, base, rank, me
         self.peers: dict = {rank: me}
+        self.known = {r: p for r, p in (known or {}).items() if r != rank and 0 <= r < world_size}
         self.unknown = [r for r in range(world_size) if r != rank]
 
     def read(self) -> None:
@@ -237,6 +241,8 @@ class _Watch:
 
     def __call__(self, ranks: Optional[list] = None) -> dict:
         self.read()
+        if self.unknown and self.known:
+            return _same_pid_space({**self.known, **self.peers}, self.rank, ranks)
         return _same_pid_space(self.peers, self.rank, ranks)
 
 
@@ -290,7 +296,8 @@ def _probe(path: str) -> str:
     return _OK
 
 
-def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) -> Layout:
+def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float,
+               known: Optional[dict] = None) -> Layout:
     """Find the group's nodes and this rank's node segment (see the module docstring).
 
     Every rank first publishes its process id and identity in the group's store and waits
@@ -299,7 +306,10 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) 
     ranks of the node open it and publish the outcome. Every rank thus knows, before it
     attaches, every rank's process id (so a rank whose process exits is noticed within
     milliseconds, here and by the core's attach) and whether every peer could open its
-    segment. Only a rank that dies before publishing its id is noticed at the timeout. If
+    segment. A rank that exits before publishing its id is noticed at once too when
+    ``known`` has it (group rank -> identity as :func:`identity` gives it, from another
+    group of this process whose members it is: a rank that exited before calling
+    ``new_group``); otherwise it is noticed at the timeout. If
     creation fails, the leader publishes an error marker instead of a path and the node's
     other ranks raise ``RuntimeError`` instead of waiting. A rank whose set-up fails
     publishes why, then waits (at most :data:`LEAVE_WAIT_S`) until its peers are done with
@@ -315,7 +325,7 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float) 
     deadline = time.monotonic() + timeout_s
     base = publish_pid(store, rank, world_size)
     try:
-        return _find_nodes(store, rank, world_size, base, deadline)
+        return _find_nodes(store, rank, world_size, base, deadline, known)
     except Exception as exc:
         publish_failure(store, base, rank, exc)
         leave_together(store, base, rank, world_size, deadline)
@@ -372,7 +382,8 @@ def leave_together(store: dist.Store, base: str, rank: int, world_size: int, dea
         pass
 
 
-def _find_nodes(store: dist.Store, rank: int, world_size: int, base: str, deadline: float) -> Layout:
+def _find_nodes(store: dist.Store, rank: int, world_size: int, base: str, deadline: float,
+                known: Optional[dict] = None) -> Layout:
     """The body of :func:`rendezvous`, after this rank has published its identity."""
     failure = failure_key(base)
     # Group rank 0 creates and publishes the whole group's segment at once, as if the group
@@ -391,7 +402,7 @@ def _find_nodes(store: dist.Store, rank: int, world_size: int, base: str, deadli
             store.set(f"{base}/segment", early)
         except Exception as exc:  # noqa: BLE001  raised below if the group is on one node
             early_error = exc
-    watch = _Watch(store, base, rank, world_size, _parse_peer(json.dumps(identity())))
+    watch = _Watch(store, base, rank, world_size, _parse_peer(json.dumps(identity())), known)
     try:
         _store_wait(store, [_pid_key(base, r) for r in range(world_size)], deadline,
                     "waiting for every rank's process id in the store", watch, failure)

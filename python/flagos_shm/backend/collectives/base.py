@@ -96,6 +96,25 @@ def _shut_down_busy_groups_at_exit() -> None:
 atexit.register(_shut_down_busy_groups_at_exit)
 
 
+def _known_peers(global_ranks: Optional[list]) -> dict:
+    """For a group being set up whose ranks are ``global_ranks`` (default-group ranks, by
+    group rank): group rank -> identity (:func:`flagos_shm.backend.rendezvous.identity`) of
+    the process that is that rank in a live group of this process made with known global
+    ranks (the default group, earlier subgroups). The rendezvous watches these processes
+    until they publish their own identity, so that one that exited before calling
+    ``new_group`` fails the set-up at once. Empty when ``global_ranks`` is None."""
+    if not global_ranks:
+        return {}
+    by_global: dict = {}
+    for group in list(_groups):
+        ranks = getattr(group, "_global_ranks", None)
+        if ranks is None or group._closed or group._pid != os.getpid():
+            continue
+        for g, peer in zip(ranks, group._layout.peers):
+            by_global.setdefault(g, peer)
+    return {r: by_global[g] for r, g in enumerate(global_ranks) if g in by_global}
+
+
 def fast_dtype(t) -> Optional[str]:
     """The core dtype of ``t`` if it is a tensor the fast paths take as it is, else None:
     an exact ``torch.Tensor`` on the CPU, strided, contiguous, without a lazy negation,
@@ -169,7 +188,7 @@ class CollectiveBase:
     # ---- set-up and lifetime ----------------------------------------------------------
 
     def _setup(self, store: dist.Store, rank: int, world_size: int, timeout=default_pg_timeout,
-               group_name: str = "") -> None:
+               group_name: str = "", global_ranks: Optional[list] = None) -> None:
         """Meet the group's other ranks through ``store`` and attach to the segment.
 
         Args:
@@ -180,6 +199,11 @@ class CollectiveBase:
             timeout: the group's timeout (``timedelta`` or seconds) for attaching and for
                 each collective unless its options give another one.
             group_name: the c10d group name, used in error messages.
+            global_ranks: the default group's rank of each of the group's ranks (c10d's
+                ``global_ranks_in_group``), or None where unknown. With them a rank that
+                exited before joining the group, and is a member of another live group of
+                this process (the default one), is noticed at once instead of at the
+                timeout.
 
         Raises:
             ValueError: bad ``FLAGOS_SHM_DIR`` / ``FLAGOS_SHM_SLOT_BYTES`` (on rank 0),
@@ -207,8 +231,11 @@ class CollectiveBase:
         self._timeout_s = timeout_s
         where = f"flagos_shm group {group_name!r} (rank {rank}/{world_size})"
         self._where = where
+        # only a hint for the set-up: a list of another length (no c10d caller gives one) is ignored
+        ok = global_ranks is not None and len(global_ranks) == world_size
+        self._global_ranks = [int(g) for g in global_ranks] if ok else None
         try:
-            layout = rendezvous(store, rank, world_size, timeout_s)
+            layout = rendezvous(store, rank, world_size, timeout_s, _known_peers(self._global_ranks))
         except RuntimeError as exc:  # a store wait timed out, a rank exited, or rank 0 failed to create
             raise options.with_context(exc, f"{where}: setting up: {exc}") from exc
         self._layout = layout
