@@ -10,14 +10,14 @@ use flagos_shm::stream::Mode;
 use flagos_shm::Disagreement;
 use flagos_shm::Plan;
 use flagos_shm::{Buf, Communicator, Error};
+
+mod common;
+use common::TestDir;
 use std::sync::Arc;
 use std::time::Duration;
 
 fn with_group<R: Send + 'static>(n: usize, slot: usize, f: impl Fn(usize, &mut Communicator) -> R + Send + Sync + 'static) -> Vec<R> {
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let dir = std::env::temp_dir().join(format!("flagos_shm_coll_{}_{k}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TestDir::new("coll");
     let path = segment::create(&dir, n, slot).unwrap();
     let f = Arc::new(f);
     let handles: Vec<_> = (0..n)

@@ -8,19 +8,15 @@ use flagos_shm::segment::{self, NAME_PREFIX};
 use flagos_shm::Disagreement;
 use flagos_shm::{Buf, Communicator, Error};
 use half::{bf16, f16};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 mod common;
-use common::Rng;
+use common::{Rng, TestDir};
 
-fn tmpdir() -> PathBuf {
-    static NEXT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-    let k = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    let d = std::env::temp_dir().join(format!("flagos_shm_test_{}_{k}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmpdir() -> TestDir {
+    TestDir::new("test")
 }
 
 /// Values as f64 for a dtype, generated per (rank, index): small enough that products of

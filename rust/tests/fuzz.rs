@@ -21,10 +21,13 @@ use flagos_shm::{Buf, Communicator, Error, Kind};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+mod common;
+use common::TestDir;
 
 const PARSER_CASES: u32 = 50_000;
 const FILE_CASES: u32 = 5_000;
@@ -69,10 +72,8 @@ fn uid() -> u32 {
     unsafe { libc::geteuid() }
 }
 
-fn tmpdir(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("flagos_shm_fuzz_{}_{tag}", std::process::id()));
-    std::fs::create_dir_all(&d).unwrap();
-    d
+fn tmpdir(tag: &str) -> TestDir {
+    TestDir::new(&format!("fuzz_{tag}"))
 }
 
 // ----- (a) segment headers ------------------------------------------------------------

@@ -10,11 +10,13 @@ use flagos_shm::Plan;
 use flagos_shm::Settings;
 use std::time::Duration;
 
+mod common;
+use common::TestDir;
+
 /// A 2-rank group attached by two threads of this process, each with `settings`; returns
 /// rank 0's `(single_copy_available, plan, stream_mode)`.
 fn attach_pair(tag: &str, settings: Settings) -> (bool, Plan, Mode) {
-    let dir = std::env::temp_dir().join(format!("flagos_shm_settings_{}_{tag}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TestDir::new(&format!("settings_{tag}"));
     let path = segment::create(&dir, 2, 1 << 16).unwrap();
     let t = Duration::from_secs(30);
     let peer = {
