@@ -37,16 +37,31 @@ def _ddp_batch(step: int, n: int):
     return torch.randn(n * DDP_BATCH, DDP_IN, generator=g), torch.randint(0, DDP_OUT, (n * DDP_BATCH,), generator=g)
 
 
-def rank_ddp_matches_single_process() -> dict:
+def rank_ddp_matches_single_process(compiler=None) -> dict:
     """DDP(device_ids=[rank]) on flagos:<rank>, ranks starting from different parameters
     (the constructor broadcasts rank 0's), against one CPU process training rank 0's
-    initial model on the full batches. Returns max |difference| per parameter."""
+    initial model on the full batches. Returns max |difference| per parameter.
+
+    ``compiler``: train ``torch.compile(DDP(model), backend=compiler)`` instead. Its first
+    step rebuilds DDP's buckets (a broadcast, staged in Python on this device) inside the
+    compiled call, where Dynamo once traced flagos_shm's staging code and failed."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, n = dist.get_rank(), dist.get_world_size()
     dev = setup_device()
     model = _mlp(100 + rank).to(dev)
-    ddp = DDP(model, device_ids=[rank], bucket_cap_mb=0.001)  # tiny buckets: several allreduces
+    # Tiny buckets (several allreduces), except compiled: Dynamo's DDP optimizer requires the
+    # first bucket (1 MiB) to be no larger than the others.
+    ddp = DDP(model, device_ids=[rank], bucket_cap_mb=None if compiler else 0.001)
+    try:
+        return _train_against_single_process(model, torch.compile(ddp, backend=compiler) if compiler else ddp, rank,
+                                             n, dev)
+    finally:
+        if compiler:
+            torch._dynamo.reset()  # the harness's rank processes are reused by later tests
+
+
+def _train_against_single_process(model, ddp, rank: int, n: int, dev) -> dict:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     ref = _mlp(100)
     ref_init = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -118,7 +133,8 @@ def test_reuse_before_wait_sees_earlier_results(flagos_world, world_size):
         assert len(res) == 1 + 9, res
 
 
-def test_ddp_matches_single_process(flagos_world):
-    results = flagos_world(2).run(rank_ddp_matches_single_process, timeout=CALL_TIMEOUT_S)
+@pytest.mark.parametrize("compiler", [None, "aot_eager"])
+def test_ddp_matches_single_process(flagos_world, compiler):
+    results = flagos_world(2).run(rank_ddp_matches_single_process, compiler, timeout=CALL_TIMEOUT_S)
     assert results[0] == results[1]  # both ranks hold the same parameters
     assert len(results[0]) == 6

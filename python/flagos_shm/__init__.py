@@ -25,6 +25,7 @@ from . import _core  # fails at import time when the extension is missing
 from . import config as _config
 from . import emulation  # noqa: F401  (flagos_shm.emulation.enable() after import flagos_shm)
 from .backend import BACKEND_NAME, ShmGroup, create_backend
+from .backend import dynamo as _dynamo
 from .backend import torch_patches as _torch_patches
 from .work import ShmWork
 
@@ -82,3 +83,5 @@ register()
 
 if _config.emulate():
     emulation.enable()
+
+_dynamo.hide()  # torch.compile never traces flagos_shm's own code (backend/dynamo.py)

@@ -11,7 +11,8 @@
   that forwards every call to the group's :class:`ShmGroup`: the same on every torch;
 * :mod:`.device_map`: the device types a backend string gives flagos_shm, and
   ``backend="gloo"`` groups that also serve the PrivateUse1 device;
-* :mod:`.torch_patches`: every change flagos_shm makes to torch, applied at import.
+* :mod:`.torch_patches`: every change flagos_shm makes to torch, applied at import;
+* :mod:`.dynamo`: keeps torch.compile from tracing flagos_shm's own Python code.
 
 :func:`create_backend` is the creator ``import flagos_shm`` registers. Settings come from
 :mod:`flagos_shm.config`.

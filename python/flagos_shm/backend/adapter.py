@@ -23,6 +23,7 @@ import threading
 import torch
 
 from .. import _cxx, staging
+from . import dynamo
 from .group import ShmGroup
 
 __all__ = ["create_backend", "native", "process_group", "shm_part"]
@@ -77,6 +78,7 @@ def create_backend(backend_opts, pg_options=None):
         ValueError, OSError, RuntimeError: setting the group up failed (see :class:`ShmGroup`).
     """
     adapter = native()  # before the rendezvous: a rank that cannot build fails alone and at once
+    dynamo.hide()  # modules loaded since import flagos_shm (the first group's plan, hierarchy)
     name = str(getattr(backend_opts, "group_id", "") or "")
     # c10d's global_ranks_in_group: the default group's ranks of the group's ranks, empty
     # for the default group itself
