@@ -7,6 +7,8 @@
 (c) Ranks of one node in different PID namespaces: detected at set-up, named on every rank.
 (d) A rank that exits before calling ``new_group``: the others' ``new_group`` raises at once,
     naming it (its process id is known from the default group), instead of at the timeout.
+(e) A malformed setting on one rank only: that rank raises ``ValueError`` naming it and
+    every other rank raises at once too, naming the rank and the setting.
 
 Each test uses a group timeout of :data:`GROUP_TIMEOUT_S` and asserts detection well under
 it (:data:`DETECT_S`), timed from the moment every rank has started (``support.spawn.start_together``),
@@ -122,6 +124,39 @@ def test_rank_that_exits_before_new_group_is_noticed_at_once():
         # "not there within the group's timeout".
         assert res["error"] is not None and "group rank 2" in res["error"] and "exited" in res["error"], res
         assert res["elapsed"] < GROUP_TIMEOUT_S / 2, res
+
+
+def init_and_report(rank: int, world_size: int, tmp: str) -> dict:
+    """``init_process_group`` with a timeout of :data:`GROUP_TIMEOUT_S`; the error it raised
+    (None if none) and how long it took."""
+    import flagos_shm  # noqa: F401
+
+    res = {"error": None}
+    t0 = time.monotonic()
+    try:
+        dist.init_process_group("flagos_shm", rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        dist.destroy_process_group()
+    except Exception as exc:  # noqa: BLE001
+        res["error"] = f"{type(exc).__name__}: {exc}"
+    res["elapsed"] = time.monotonic() - t0
+    return res
+
+
+@pytest.mark.parametrize("name,value", [
+    ("FLAGOS_SHM_PINNED_POOL_BYTES", "abc"),  # read when the c10d adapter is loaded, before the rendezvous
+    ("FLAGOS_SHM_P2P_SLOTS", "x"),  # otherwise read when a pair first talks
+    ("FLAGOS_SHM_SLOT_BYTES", "12"),  # otherwise read by the segment's creator (rank 0) only
+])
+def test_malformed_setting_on_one_rank_fails_every_rank_at_once(name, value):
+    """Before, the rank with the setting raised alone (or, for the slot size, ignored it)
+    and the others waited until the group's timeout."""
+    results = spawn(init_and_report, 2, rank_env={1: {name: value}}, timeout=DEADLINE_S)
+    bad, other = results[1], results[0]
+    print(f"(e) {name}={value!r} on rank 1: rank 0 raised after {other['elapsed']:.2f} s: {other['error']}")
+    assert bad["error"] is not None and bad["error"].startswith("ValueError") and name in bad["error"], bad
+    assert other["error"] is not None and "group rank 1" in other["error"] and name in other["error"], other
+    assert other["elapsed"] < GROUP_TIMEOUT_S / 2, other
 
 
 @needs_unshare

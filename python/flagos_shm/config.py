@@ -45,6 +45,12 @@ FLAGOS_SHM_PROGRESS_BATCH                 :func:`stream_mode`,     (:func:`core_
                                           group creation
 ========================================  =======================  ===========================================
 
+``FLAGOS_SHM_DIR``, ``FLAGOS_SHM_SLOT_BYTES``, ``FLAGOS_SHM_HIER_RS_MIN_BYTES``,
+``FLAGOS_SHM_P2P_SLOTS``, ``FLAGOS_SHM_P2P_SLOT_BYTES`` and ``FLAGOS_SHM_PINNED_POOL_BYTES``,
+used later than a group's creation or by one rank only, are also checked by every rank when
+each group is set up (:func:`check_group_settings`), so that a malformed one fails there on
+every rank.
+
 The core reads no environment: its settings reach it as arguments. Development tools read their own
 (the launcher's ``FLAGOS_SHM_LAUNCHER_PID``, the test suite's and the benchmarks').
 What each means for a user, with its default: the README's configuration table. The
@@ -258,6 +264,26 @@ def pinned_pool_bytes() -> int:
         ValueError: not a size.
     """
     return _bytes_env(ENV_PINNED_POOL_BYTES, DEFAULT_PINNED_POOL_BYTES)
+
+
+def check_group_settings(world_size: int) -> None:
+    """Read now every setting a group reads later or on one rank only, so that a malformed
+    one fails the group's set-up on the rank that has it (the rendezvous publishes the
+    failure, and every other rank raises too, naming it) rather than a later call, with
+    its peers waiting until the timeout: :func:`segment_config` (used by the ranks that
+    create a segment), :func:`hier_rs_min_bytes`, :func:`p2p_geometry`,
+    :func:`pinned_pool_bytes`.
+
+    Args:
+        world_size: the group's size (the default slot size depends on it).
+
+    Raises:
+        ValueError: a setting is malformed (its message names it).
+    """
+    segment_config(world_size)
+    hier_rs_min_bytes()
+    p2p_geometry()
+    pinned_pool_bytes()
 
 
 def retired() -> dict:

@@ -23,7 +23,7 @@ import threading
 import torch
 
 from .. import _cxx, staging
-from . import dynamo
+from . import dynamo, options, rendezvous
 from .group import ShmGroup
 
 __all__ = ["create_backend", "native", "process_group", "shm_part"]
@@ -74,10 +74,16 @@ def create_backend(backend_opts, pg_options=None):
         device types the group's backend string gives flagos_shm.
 
     Raises:
-        flagos_shm._cxx.BuildError: the adapter cannot be built (see :func:`native`).
+        flagos_shm._cxx.BuildError: the adapter cannot be built (see :func:`native`); the
+            group's other ranks then raise RuntimeError naming this rank and the cause.
         ValueError, OSError, RuntimeError: setting the group up failed (see :class:`ShmGroup`).
     """
-    adapter = native()  # before the rendezvous: a rank that cannot build fails alone and at once
+    try:
+        adapter = native()  # before the rendezvous: a rank that cannot build fails at once
+    except Exception as exc:  # and tells its peers, which then raise at once too
+        rendezvous.give_up(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
+                           options.timeout_seconds(backend_opts.timeout) or 60.0, exc)
+        raise
     dynamo.hide()  # modules loaded since import flagos_shm (the first group's plan, hierarchy)
     name = str(getattr(backend_opts, "group_id", "") or "")
     # c10d's global_ranks_in_group: the default group's ranks of the group's ranks, empty

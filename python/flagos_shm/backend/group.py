@@ -40,11 +40,12 @@ class ShmGroup(Collectives):
             where unknown: lets the set-up notice at once a rank that exited before joining.
 
     Raises:
-        ValueError: ``rank`` out of range, bad ``FLAGOS_SHM_DIR`` / ``FLAGOS_SHM_SLOT_BYTES``
-            (on rank 0), or a malformed or differing ``FLAGOS_SHM_PLAN`` on any rank.
+        ValueError: ``rank`` out of range, a malformed setting on this rank
+            (:func:`flagos_shm.config.check_group_settings`), or a malformed or differing
+            ``FLAGOS_SHM_PLAN`` on any rank.
         OSError: the segment directory is too small (on rank 0).
-        RuntimeError: a peer did not attach in time or exited, or rank 0 failed to create the
-            segment.
+        RuntimeError: a peer did not attach in time, exited or gave up (a malformed setting
+            there), or rank 0 failed to create the segment.
     """
 
     #: A synchronous call (``asyncOp`` False) that succeeded returns ``None``: c10d's "the

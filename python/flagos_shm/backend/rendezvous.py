@@ -38,7 +38,7 @@ import torch.distributed as dist
 from .. import _core, config
 from ..config import segment_config
 
-__all__ = ["Layout", "SetupError", "attach", "identity", "leave_together", "publish_pid", "rendezvous"]
+__all__ = ["Layout", "SetupError", "attach", "give_up", "identity", "leave_together", "publish_pid", "rendezvous"]
 
 _log = logging.getLogger("flagos_shm")
 
@@ -318,13 +318,17 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float,
     Raises:
         SetupError: a rank that ``FLAGOS_SHM_NODE_ID`` puts on a node cannot open its
             segment, or ranks of one node do not share a PID namespace (on every rank).
-        RuntimeError: a leader could not create its segment, a rank exited, or the timeout
-            (``timeout_s``, seconds) passed.
+        RuntimeError: a leader could not create its segment, a rank exited, a rank gave
+            up (a malformed setting, :func:`give_up`), or the timeout (``timeout_s``,
+            seconds) passed.
+        ValueError: a malformed setting on this rank
+            (:func:`flagos_shm.config.check_group_settings`).
         OSError, ValueError: on a leader, from creating the segment.
     """
     deadline = time.monotonic() + timeout_s
     base = publish_pid(store, rank, world_size)
     try:
+        config.check_group_settings(world_size)
         return _find_nodes(store, rank, world_size, base, deadline, known)
     except Exception as exc:
         publish_failure(store, base, rank, exc)
@@ -333,6 +337,21 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float,
     except BaseException as exc:  # Ctrl-C and the like: leave at once
         publish_failure(store, base, rank, exc)
         raise
+
+
+def give_up(store: dist.Store, rank: int, world_size: int, timeout_s: float, exc: BaseException) -> None:
+    """This rank cannot take part in setting up a group (it failed before the rendezvous:
+    the c10d adapter cannot be built or loaded): join the group's incarnation in ``store``
+    as :func:`rendezvous` does, publish ``exc`` there as the reason, so that every other
+    rank raises at once naming it instead of waiting for this rank until the timeout
+    (``timeout_s``, seconds), and wait for them as :func:`leave_together` does. Never
+    raises; the caller raises ``exc``."""
+    try:
+        base = publish_pid(store, rank, world_size)
+    except Exception:  # noqa: BLE001  the store is gone: nothing to tell
+        return
+    publish_failure(store, base, rank, exc)
+    leave_together(store, base, rank, world_size, time.monotonic() + timeout_s)
 
 
 def attach(layout, timeout_s: float, where: str):

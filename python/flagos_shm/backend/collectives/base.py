@@ -206,12 +206,13 @@ class CollectiveBase:
                 timeout.
 
         Raises:
-            ValueError: bad ``FLAGOS_SHM_DIR`` / ``FLAGOS_SHM_SLOT_BYTES`` (on rank 0),
-                ``rank`` out of range, or a malformed or differing ``FLAGOS_SHM_PLAN`` on
-                any rank (on every rank; :func:`.plan.setup`).
+            ValueError: a malformed setting on this rank
+                (:func:`flagos_shm.config.check_group_settings`), ``rank`` out of range, or
+                a malformed or differing ``FLAGOS_SHM_PLAN`` on any rank (on every rank;
+                :func:`.plan.setup`).
             OSError: the segment directory is too small (on rank 0).
-            RuntimeError: a peer did not attach in time, exited, or rank 0 failed to create
-                the segment.
+            RuntimeError: a peer did not attach in time, exited, gave up (a malformed
+                setting there), or rank 0 failed to create the segment.
         """
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
