@@ -26,13 +26,14 @@ def test_torch_version_and_floor():
     assert _compat.TORCH_VERSION >= _compat.MIN_TORCH_VERSION
 
 
-def test_old_split_group_and_monitored_barrier_are_told_apart_on_the_tested_torches():
+def test_old_behaviours_are_told_apart_on_the_tested_torches():
     # Decided from the installed functions' code; on the two torches CI runs they must agree
-    # with the releases: 2.10 has both old behaviours, 2.15 neither.
+    # with the releases: 2.10 has every old behaviour, 2.15 none.
+    old = (_compat.SPLIT_GROUP_ON_CUDA, _compat.MONITORED_BARRIER_GLOO, _compat.UNDEFINED_DEFAULT_GLOO)
     if _compat.TORCH_VERSION[:2] == (2, 10):
-        assert _compat.SPLIT_GROUP_ON_CUDA and _compat.MONITORED_BARRIER_GLOO
+        assert all(old), old
     if _compat.TORCH_VERSION[:2] >= (2, 15):
-        assert not _compat.SPLIT_GROUP_ON_CUDA and not _compat.MONITORED_BARRIER_GLOO
+        assert not any(old), old
 
 
 @pytest.mark.parametrize("factor", [0.5, 3.0, torch.tensor([2.5])], ids=["0.5", "3.0", "tensor"])

@@ -18,9 +18,13 @@ SPLIT_GROUP_ON_CUDA     True   False  ``dist.split_group`` looks the parent's ba
 MONITORED_BARRIER_GLOO  True   False  ``dist.monitored_barrier`` refuses every group whose
                                       backend string is not ``"gloo"`` (newer: every group
                                       with a CPU backend)
+UNDEFINED_DEFAULT_GLOO  True   False  a group made without a backend name gets the default
+                                      backend type GLOO (NCCL where mapped) whatever its
+                                      device map holds (newer: the type of a backend the
+                                      map names)
 ======================  =====  =====  ========================================================
 
-:mod:`flagos_shm.backend.torch_patches` patches the two functions where the installed torch
+:mod:`flagos_shm.backend.torch_patches` patches the three functions where the installed torch
 behaves the old way, for flagos_shm's groups only.
 """
 
@@ -32,7 +36,7 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 
 __all__ = ["TORCH_VERSION", "MIN_TORCH_VERSION", "MAX_TESTED_TORCH_VERSION", "SPLIT_GROUP_ON_CUDA",
-           "MONITORED_BARRIER_GLOO", "premul_factor"]
+           "MONITORED_BARRIER_GLOO", "UNDEFINED_DEFAULT_GLOO", "premul_factor"]
 
 
 def _version(text: str) -> tuple:
@@ -70,6 +74,11 @@ SPLIT_GROUP_ON_CUDA: bool = hasattr(c10d, "split_group") and "current_accelerato
 #: torch's ``monitored_barrier`` compares the group's backend name with ``"gloo"`` (2.10;
 #: later torch accepts any group with a CPU backend).
 MONITORED_BARRIER_GLOO: bool = "GLOO" in _names(c10d.monitored_barrier)
+#: torch's ``_new_process_group_helper`` sets the default backend type of a group made
+#: without a backend name to GLOO (or NCCL), not from its device map (2.10; later torch asks
+#: ``_get_default_backend_type_for_backend_config``).
+UNDEFINED_DEFAULT_GLOO: bool = "_get_default_backend_type_for_backend_config" not in _names(
+    c10d._new_process_group_helper)
 
 
 def premul_factor(op):

@@ -30,6 +30,13 @@ Each patch, what it changes, why, on which torch, and how it is undone:
   every group whose backend string is not ``"gloo"``
   (:data:`flagos_shm._compat.MONITORED_BARRIER_GLOO`, torch 2.10): groups whose CPU backend
   is flagos_shm's or Gloo's are let through to their own ``monitored_barrier``. Not undone.
+* **default backend type** (:func:`_patch_default_backend_type`): ``_new_process_group_helper``
+  wrapped where it gives a group made without a backend name the default backend type GLOO
+  (:data:`flagos_shm._compat.UNDEFINED_DEFAULT_GLOO`, torch 2.10): when flagos_shm serves
+  every device of such a group (a machine whose accelerator is ``flagos``), the type is set
+  to CUSTOM, flagos_shm's, afterwards. Before, DDP's constructor raised ``Could not find
+  backend type 1 for Process Group with name gloo`` (it asks the default backend for its
+  logging data), on CPU and ``flagos`` models alike. Not undone.
 
 Each wrapper sends every call that is not about a flagos_shm group to torch's function
 unchanged, and is marked (``_flagos_shm``) so that it is never wrapped twice.
@@ -39,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import warnings
 from datetime import timedelta
@@ -71,6 +79,8 @@ def install(backend_name: str, devices) -> None:
         _patch_split_group()
     if _compat.MONITORED_BARRIER_GLOO:
         _patch_monitored_barrier()
+    if _compat.UNDEFINED_DEFAULT_GLOO:
+        _patch_default_backend_type(backend_name)
 
 
 def installed() -> bool:
@@ -223,3 +233,36 @@ def _patch_monitored_barrier() -> None:
     monitored_barrier._flagos_shm = True
     c10d.monitored_barrier = monitored_barrier
     dist.monitored_barrier = monitored_barrier
+
+
+def _patch_default_backend_type(backend_name: str) -> None:
+    """torch's ``_new_process_group_helper`` for groups made without a backend name that
+    flagos_shm serves on every device: their default backend type becomes CUSTOM.
+
+    torch 2.10 sets the default backend type of such a group to GLOO (NCCL where its map
+    names NCCL) before it registers the group's backends; where the map (extended by
+    :func:`.device_map.extend`) names flagos_shm only, no GLOO backend is ever registered,
+    and everything that asks the group for its default backend (DDP's constructor, through
+    its logger) raised ``RuntimeError: Could not find backend type 1``. After torch's
+    function returns, such a group's default type is set to CUSTOM, the type torch registers
+    flagos_shm's backends under; every other group is left as torch made it.
+    """
+    original = c10d._new_process_group_helper
+    if getattr(original, "_flagos_shm", False):
+        return
+    signature = inspect.signature(original)
+    custom = torch._C._distributed_c10d.ProcessGroup.BackendType.CUSTOM
+
+    @functools.wraps(original)
+    def _new_process_group_helper(*args, **kwargs):
+        result = original(*args, **kwargs)
+        backend = signature.bind_partial(*args, **kwargs).arguments.get("backend")
+        pg = result[0] if isinstance(result, tuple) else result
+        if str(backend).lower() == dist.Backend.UNDEFINED and isinstance(pg, torch._C._distributed_c10d.ProcessGroup):
+            mapped = {str(b).lower() for b in c10d.BackendConfig(backend).get_device_backend_map().values()}
+            if mapped == {backend_name}:
+                pg._set_default_backend(custom)
+        return result
+
+    _new_process_group_helper._flagos_shm = True
+    c10d._new_process_group_helper = _new_process_group_helper
