@@ -484,12 +484,12 @@ def test_channel_geometry_from_environment(monkeypatch):
     assert p2p_geometry() == (4, 64 << 10)
     assert _core.P2PChannel.segment_bytes(4, 64 << 10) == 4096 + 2 * 4 * (64 << 10)  # docs/p2p.md
     monkeypatch.setenv(ENV_P2P_SLOT_BYTES, "1000")
-    with pytest.raises(ValueError, match="multiple of 4096"):
+    with pytest.raises(ValueError, match=f"{ENV_P2P_SLOT_BYTES}=1000: .*multiple of 4096"):
         p2p_geometry()
     monkeypatch.setenv(ENV_P2P_SLOT_BYTES, "lots")
     with pytest.raises(ValueError, match=ENV_P2P_SLOT_BYTES):
         p2p_geometry()
     monkeypatch.setenv(ENV_P2P_SLOT_BYTES, "8192")
     monkeypatch.setenv(ENV_P2P_SLOTS, "0")
-    with pytest.raises(ValueError, match="slots"):
+    with pytest.raises(ValueError, match=f"{ENV_P2P_SLOTS}=0, .*slots"):
         p2p_geometry()

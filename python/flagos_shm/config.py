@@ -252,7 +252,10 @@ def p2p_geometry() -> tuple[int, int]:
     raw = os.environ.get(ENV_P2P_SLOTS, "")
     slots = parse_count(raw, ENV_P2P_SLOTS) if raw.strip() else DEFAULT_P2P_SLOTS
     slot_bytes = _bytes_env(ENV_P2P_SLOT_BYTES, DEFAULT_P2P_SLOT_BYTES)
-    _core.P2PChannel.segment_bytes(slots, slot_bytes)  # ValueError naming the bad one
+    try:
+        _core.P2PChannel.segment_bytes(slots, slot_bytes)  # the core's bounds
+    except ValueError as exc:  # "p2p slots: expected 1..=1024, got 0": name the variables
+        raise ValueError(f"{ENV_P2P_SLOTS}={slots}, {ENV_P2P_SLOT_BYTES}={slot_bytes}: {exc}") from None
     return slots, slot_bytes
 
 
