@@ -8,7 +8,8 @@
 (d) A rank that exits before calling ``new_group``: the others' ``new_group`` raises at once,
     naming it (its process id is known from the default group), instead of at the timeout.
 (e) A malformed setting on one rank only: that rank raises ``ValueError`` naming it and
-    every other rank raises at once too, naming the rank and the setting.
+    every other rank raises at once too, naming the rank and the setting; likewise a group
+    timeout of zero or less.
 
 Each test uses a group timeout of :data:`GROUP_TIMEOUT_S` and asserts detection well under
 it (:data:`DETECT_S`), timed from the moment every rank has started (``support.spawn.start_together``),
@@ -157,6 +158,37 @@ def test_malformed_setting_on_one_rank_fails_every_rank_at_once(name, value):
     assert bad["error"] is not None and bad["error"].startswith("ValueError") and name in bad["error"], bad
     assert other["error"] is not None and "group rank 1" in other["error"] and name in other["error"], other
     assert other["elapsed"] < GROUP_TIMEOUT_S / 2, other
+
+
+def new_group_and_report(rank: int, world_size: int, tmp: str, timeouts: list) -> dict:
+    """``new_group`` with a timeout of ``timeouts[rank]`` seconds (on a default group whose
+    timeout, also the store's, is :data:`GROUP_TIMEOUT_S`): the error it raised and how
+    long it took."""
+    import flagos_shm  # noqa: F401
+
+    dist.init_process_group("flagos_shm", rank=rank, world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    res = {"error": None}
+    t0 = time.monotonic()
+    try:
+        dist.new_group(backend="flagos_shm", timeout=timedelta(seconds=timeouts[rank]))
+    except Exception as exc:  # noqa: BLE001
+        res["error"] = f"{type(exc).__name__}: {exc}"
+    res["elapsed"] = time.monotonic() - t0
+    dist.destroy_process_group()
+    return res
+
+
+@pytest.mark.parametrize("timeouts", [[0, 0], [-5, -5], [GROUP_TIMEOUT_S, 0]])
+def test_non_positive_group_timeout_is_refused_on_every_rank(timeouts):
+    """A group timeout of zero or less used to become the 30-minute default silently (Gloo
+    fails every call at once with 0 and refuses a negative one)."""
+    results = spawn(new_group_and_report, 2, args=(timeouts,), timeout=DEADLINE_S)
+    for rank, res in enumerate(results):
+        if timeouts[rank] <= 0:
+            assert res["error"] is not None and res["error"].startswith("ValueError: timeout"), res
+        else:  # the peer that gave up is named, at once
+            assert res["error"] is not None and "group rank 1" in res["error"] and "timeout" in res["error"], res
+            assert res["elapsed"] < GROUP_TIMEOUT_S / 2, res
 
 
 @needs_unshare

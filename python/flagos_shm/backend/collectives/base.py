@@ -33,7 +33,7 @@ from ... import _core, config, staging
 from ...work import ShmWork
 from .. import exiting, options, plan
 from . import alltoall_errors
-from ..rendezvous import attach, describe_layout, rendezvous
+from ..rendezvous import LEAVE_WAIT_S, attach, describe_layout, give_up, rendezvous
 
 _log = logging.getLogger("flagos_shm")
 
@@ -206,7 +206,7 @@ class CollectiveBase:
                 timeout.
 
         Raises:
-            ValueError: a malformed setting on this rank
+            ValueError: ``timeout`` is zero or negative (on every rank), a malformed setting on this rank
                 (:func:`flagos_shm.config.check_group_settings`), ``rank`` out of range, or
                 a malformed or differing ``FLAGOS_SHM_PLAN`` on any rank (on every rank;
                 :func:`.plan.setup`).
@@ -228,7 +228,14 @@ class CollectiveBase:
         # (stages) its tensors before its own core call, so it must wait for those first.
         self._inflight: collections.deque = collections.deque()
         self._pid = os.getpid()
-        timeout_s = options.timeout_seconds(timeout) or default_pg_timeout.total_seconds()
+        timeout_s = options.timeout_seconds(timeout)
+        if timeout_s is None and timeout is not None and timeout != options.UNSET_TIMEOUT:
+            # Gloo fails every call at once with 0 and refuses a negative timeout; this used to
+            # become the 30-minute default silently. Every rank learns it (give_up).
+            exc = ValueError(f"timeout: expected a positive duration for group {group_name!r}, got {timeout!r}")
+            give_up(store, rank, world_size, LEAVE_WAIT_S, exc)
+            raise exc
+        timeout_s = timeout_s or default_pg_timeout.total_seconds()
         self._timeout_s = timeout_s
         where = f"flagos_shm group {group_name!r} (rank {rank}/{world_size})"
         self._where = where
