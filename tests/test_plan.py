@@ -338,17 +338,21 @@ def test_one_single_copy_threshold_for_every_collective_through_the_plan(worlds,
 def explicit_and_disagreeing():
     explicit = _group_plan({"FLAGOS_SHM_PLAN": "one_shot_max=1K,allreduce_single_copy=never"}, 64 << 10)
     other = "fallback" if dist.get_rank() == 0 else "one_shot_max=1K"
-    return explicit, _group_plan({"FLAGOS_SHM_PLAN": other})
+    # the same plan said two ways: not a disagreement
+    same = "one_shot_max=1K" if dist.get_rank() == 0 else " one_shot_max_bytes=1024"
+    return explicit, _group_plan({"FLAGOS_SHM_PLAN": other}), _group_plan({"FLAGOS_SHM_PLAN": same})
 
 
 def test_explicit_plan_and_ranks_asking_for_different_plans(worlds, backend):
     if backend != "flagos_shm":
         pytest.skip("flagos_shm's plan")
-    for explicit, disagree in worlds(2).run(explicit_and_disagreeing):
+    for explicit, disagree, same in worlds(2).run(explicit_and_disagreeing):
         assert explicit["source"] == "env" and explicit["correct"]
         assert explicit["plan"]["one_shot_max_bytes"] == 1024
         assert explicit["plan"]["allreduce_single_copy_min_bytes"] is None
         assert "ranks disagree on FLAGOS_SHM_PLAN" in disagree["error"], disagree
+        assert same.get("error") is None and same["source"] == "env" and same["correct"], same
+        assert same["plan"]["one_shot_max_bytes"] == 1024, same
 
 
 def different_plans_mismatch():

@@ -175,12 +175,14 @@ def _resolve(comm, store, base: str, world_size: int, local_size: int) -> str:
     malformed = [f"group rank {r}: {p['error']}" for r, p in enumerate(parsed) if "error" in p]
     if malformed:
         return json.dumps({"error": "; ".join(malformed)})
-    differ = [r for r, req in enumerate(requests) if req != requests[0]]
+    # compared by meaning: "AUTO" and unset, "64K" and "65536" ask for the same plan
+    meanings = [parse(p["plan"]) for p in parsed]
+    differ = [r for r, meaning in enumerate(meanings) if meaning != meanings[0]]
     if differ:
         return json.dumps({"error": f"ranks disagree on {config.ENV_PLAN}: rank 0 "
                                     f"has {parsed[0]}, ranks {differ} have "
                                     f"{[parsed[r] for r in differ]}; set the same on every rank"})
-    asked = parse(parsed[0]["plan"])
+    asked = meanings[0]
     if local_size == 1 and not isinstance(asked, dict):  # nothing to choose between
         return json.dumps({"source": "fallback", "plan": FALLBACK})
     if isinstance(asked, dict):
