@@ -89,6 +89,10 @@ def test_rules():
     (["--sizes", "0"], "--sizes"), (["--ops", "allreduce,scan"], "--ops"),
     (["--dtypes", "float8"], "--dtypes"), (["--backends", "nccl"], "--backends"),
     (["--iters", "0"], "--iters"), (["--nproc", "0"], "--nproc"), (["--rounds", "0"], "--rounds"),
+    (["--nodes", "3", "--nproc", "2"], "--nodes"), (["--nodes", "0"], "--nodes"),
+    # an output that cannot be written stops the run before it starts, not after it
+    (["--json", "/proc/flagos_shm_nowhere.json"], "--json"), (["--plot", "/"], "--plot"),
+    (["--out-dir", "/proc/flagos_shm_nowhere"], "--out-dir"),
 ])
 def test_bad_arguments_name_the_flag(argv, flag):
     with pytest.raises(SystemExit, match=re.escape(flag)):

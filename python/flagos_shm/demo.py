@@ -106,6 +106,8 @@ def validate(args: argparse.Namespace) -> None:
         raise SystemExit(f"--lr must be > 0, got {args.lr}")
     if not args.timeout > 0:
         raise SystemExit(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if args.device == "flagos" and not args.emulate and not flagos_present():  # once, before the ranks start
+        raise SystemExit("--device flagos: no flagos device is registered (install torch_fl, or pass --emulate)")
 
 
 # --------------------------------------------------------------------------- data / model
@@ -298,9 +300,9 @@ def train_one(backend: str, store, rank: int, world_size: int, args) -> Dict:
                    f"DIFFER from rank 0 on rank(s) {mismatched}"))
         else:
             identical = run_store.get("params/verdict") == b"identical"
-        log(f"step time {step_s * 1e3:.3f} ms (mean over {len(steps)} steps on rank 0, first "
-            f"{WARMUP_STEPS} excluded), communication {comm_s * 1e3:.3f} ms "
-            f"({100 * comm_s / step_s:.1f}%)")
+        excluded = f"first {WARMUP_STEPS} excluded" if len(step_times) > WARMUP_STEPS else "too few to exclude any"
+        log(f"step time {step_s * 1e3:.3f} ms (mean over {len(steps)} steps on rank 0, {excluded}), "
+            f"communication {comm_s * 1e3:.3f} ms ({100 * comm_s / step_s:.1f}%)")
         dist.barrier(group=group)
         return {"backend": backend, "device": device.type, "final_accuracy": accuracy, "step_time_s": step_s,
                 "comm_time_s": comm_s, "comm_share": comm_s / step_s,

@@ -130,6 +130,9 @@ def plan_from_args(args) -> Plan:
             raise SystemExit(f"--{flag} must be >= {low}, got {value}")
     if args.nproc < 1:
         raise SystemExit(f"--nproc must be >= 1, got {args.nproc}")
+    if not 1 <= args.nodes <= args.nproc:
+        raise SystemExit(f"--nodes must be between 1 and --nproc ({args.nproc}), got {args.nodes}")
+    _check_writable(args)
     for flag in ("timeout", "job_timeout"):
         if not getattr(args, flag) > 0:
             raise SystemExit(f"--{flag.replace('_', '-')} must be > 0 seconds")
@@ -138,6 +141,28 @@ def plan_from_args(args) -> Plan:
                 backends=_split(args.backends, ALL_BACKENDS, "--backends"),
                 iters=args.iters, warmup=args.warmup, device=args.device, bind=args.bind,
                 rounds=args.rounds)
+
+
+def _check_writable(args) -> None:
+    """Make the output files' directories and check that they can be written to, so that a
+    bad path stops the run before it starts, not after it (SystemExit naming the flag)."""
+    for flag, path in zip(("--json", "--plot"), output_paths(args)):
+        if path is None:
+            continue
+        flag = "--out-dir" if args.out_dir and getattr(args, flag[2:]) is None else flag
+        parent = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(f"{flag}: cannot create {parent}: {exc.strerror or exc}") from None
+        existed = os.path.exists(path)
+        try:
+            with open(path, "a"):  # what writing it will do, without touching its contents
+                pass
+        except OSError as exc:
+            raise SystemExit(f"{flag}: cannot write {path}: {exc.strerror or exc}") from None
+        if not existed:
+            os.unlink(path)
 
 
 def output_paths(args) -> Tuple[Optional[str], Optional[str]]:
