@@ -32,6 +32,7 @@
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
+#include <ATen/ops/native_batch_norm.h>
 #include <ATen/ops/resize_native.h>
 #include <ATen/ops/set_native.h>
 #include <ATen/ops/unfold_native.h>
@@ -508,6 +509,27 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   at::native::cpu_fallback(op, stack);
 }
 
+// native_batch_norm updates running_mean and running_var in place in training,
+// but its schema does not mark them as written (`Tensor?`), so the CPU fallback
+// updated host copies and dropped them: BatchNorm's running statistics on flagos
+// stayed at their initial values. Run CPU's kernel on host aliases instead (the
+// emulated device's memory is host memory), so the updates land in place, and
+// copy the three results to the input's device.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> native_batch_norm(
+    const at::Tensor& input, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& running_mean,
+    const std::optional<at::Tensor>& running_var, bool training, double momentum, double eps) {
+  auto host = [](const std::optional<at::Tensor>& t) -> std::optional<at::Tensor> {
+    if (t.has_value() && t->defined()) return host_alias(*t);
+    return t;
+  };
+  auto [out, mean, invstd] = at::native_batch_norm(host_alias(input), host(weight), host(bias),
+                                                   host(running_mean), host(running_var),
+                                                   training, momentum, eps);
+  const Device device = input.device();
+  return std::make_tuple(out.to(device), mean.to(device), invstd.to(device));
+}
+
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("empty.memory_format", empty_memory_format);
   m.impl("empty_strided", empty_strided);
@@ -528,6 +550,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_", set_empty);
   m.impl("record_stream", record_stream);
   m.impl("_has_compatible_shallow_copy_type", has_compatible_shallow_copy_type);
+  m.impl("native_batch_norm", native_batch_norm);
   // CompositeExplicitAutograd kernels that PrivateUse1 would otherwise get:
   // convolution would pick a device backend ("convolution_overrideable"),
   // the norms a math decomposition that rounds differently from CPU's kernel.
