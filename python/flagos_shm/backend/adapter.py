@@ -23,7 +23,7 @@ import threading
 import torch
 
 from .. import _cxx, staging
-from . import dynamo, options, rendezvous
+from . import dynamo, rendezvous
 from .group import ShmGroup
 
 __all__ = ["create_backend", "native", "process_group", "shm_part"]
@@ -81,8 +81,7 @@ def create_backend(backend_opts, pg_options=None):
     try:
         adapter = native()  # before the rendezvous: a rank that cannot build fails at once
     except Exception as exc:  # and tells its peers, which then raise at once too
-        rendezvous.give_up(backend_opts.store, backend_opts.group_rank, backend_opts.group_size,
-                           options.timeout_seconds(backend_opts.timeout) or 60.0, exc)
+        rendezvous.give_up(backend_opts.store, backend_opts.group_rank, backend_opts.group_size, exc)
         raise
     dynamo.hide()  # modules loaded since import flagos_shm (the first group's plan, hierarchy)
     name = str(getattr(backend_opts, "group_id", "") or "")

@@ -339,19 +339,19 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float,
         raise
 
 
-def give_up(store: dist.Store, rank: int, world_size: int, timeout_s: float, exc: BaseException) -> None:
+def give_up(store: dist.Store, rank: int, world_size: int, exc: BaseException) -> None:
     """This rank cannot take part in setting up a group (it failed before the rendezvous:
-    the c10d adapter cannot be built or loaded): join the group's incarnation in ``store``
-    as :func:`rendezvous` does, publish ``exc`` there as the reason, so that every other
-    rank raises at once naming it instead of waiting for this rank until the timeout
-    (``timeout_s``, seconds), and wait for them as :func:`leave_together` does. Never
-    raises; the caller raises ``exc``."""
+    the c10d adapter cannot be built or loaded, the group's timeout is not positive): join
+    the group's incarnation in ``store`` as :func:`rendezvous` does, publish ``exc`` there
+    as the reason, so that every other rank raises at once naming it instead of waiting for
+    this rank until the timeout, and wait for them as :func:`leave_together` does (at most
+    :data:`LEAVE_WAIT_S`). Never raises; the caller raises ``exc``."""
     try:
         base = publish_pid(store, rank, world_size)
     except Exception:  # noqa: BLE001  the store is gone: nothing to tell
         return
     publish_failure(store, base, rank, exc)
-    leave_together(store, base, rank, world_size, time.monotonic() + timeout_s)
+    leave_together(store, base, rank, world_size, time.monotonic() + LEAVE_WAIT_S)
 
 
 def attach(layout, timeout_s: float, where: str):

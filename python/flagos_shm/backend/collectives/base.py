@@ -33,7 +33,7 @@ from ... import _core, config, staging
 from ...work import ShmWork
 from .. import exiting, options, plan
 from . import alltoall_errors
-from ..rendezvous import LEAVE_WAIT_S, attach, describe_layout, give_up, rendezvous
+from ..rendezvous import attach, describe_layout, give_up, rendezvous
 
 _log = logging.getLogger("flagos_shm")
 
@@ -206,10 +206,10 @@ class CollectiveBase:
                 timeout.
 
         Raises:
-            ValueError: ``timeout`` is zero or negative (on every rank), a malformed setting on this rank
-                (:func:`flagos_shm.config.check_group_settings`), ``rank`` out of range, or
-                a malformed or differing ``FLAGOS_SHM_PLAN`` on any rank (on every rank;
-                :func:`.plan.setup`).
+            ValueError: ``timeout`` is zero or negative, a malformed setting on this rank
+                (:func:`flagos_shm.config.check_group_settings`; the other ranks raise
+                RuntimeError naming it), ``rank`` out of range, or a malformed or differing
+                ``FLAGOS_SHM_PLAN`` on any rank (on every rank; :func:`.plan.setup`).
             OSError: the segment directory is too small (on rank 0).
             RuntimeError: a peer did not attach in time, exited, gave up (a malformed
                 setting there), or rank 0 failed to create the segment.
@@ -233,7 +233,7 @@ class CollectiveBase:
             # Gloo fails every call at once with 0 and refuses a negative timeout; this used to
             # become the 30-minute default silently. Every rank learns it (give_up).
             exc = ValueError(f"timeout: expected a positive duration for group {group_name!r}, got {timeout!r}")
-            give_up(store, rank, world_size, LEAVE_WAIT_S, exc)
+            give_up(store, rank, world_size, exc)
             raise exc
         timeout_s = timeout_s or default_pg_timeout.total_seconds()
         self._timeout_s = timeout_s
