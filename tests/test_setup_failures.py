@@ -116,6 +116,53 @@ def exit_before_new_group(rank: int, world_size: int, tmp: str) -> dict:
     return res
 
 
+def abort_and_rebuild(rank: int, world_size: int, tmp: str) -> dict:
+    """Processes 0 and 1 form world 1 and process 1 exits; process 0 aborts the world
+    (``_abort_process_group``, an in-process restart) and keeps a reference to its old
+    group; then process 0 and process 2, which arrives late, form world 2. The old group
+    knows a dead process as rank 1 and must not speak for world 2's rank 1."""
+    import flagos_shm
+    import torch
+    from torch.distributed.distributed_c10d import _abort_process_group
+
+    def world(name: str, r: int):
+        dist.init_process_group("flagos_shm", store=dist.FileStore(os.path.join(tmp, name), 2), rank=r, world_size=2,
+                                timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    aborted = os.path.join(tmp, "aborted")
+    if rank == 1:
+        with open(os.path.join(tmp, "pid1"), "w") as f:
+            f.write(str(os.getpid()))
+        return {"w1": world("w1", 1)}  # then this process exits
+    if rank == 2:
+        while not os.path.exists(aborted):
+            time.sleep(0.01)
+        time.sleep(1.0)  # after rank 0 has begun waiting for world 2's rank 1
+        return {"w2": world("w2", 1)}
+    res = {"w1": world("w1", 0)}
+    old = dist.group.WORLD  # noqa: F841  held, as a model or a device mesh would hold it
+    pid_file = os.path.join(tmp, "pid1")
+    while not os.path.exists(pid_file):
+        time.sleep(0.01)
+    pid = int(open(pid_file).read())
+    while not flagos_shm._core.process_exited(pid):
+        time.sleep(0.01)
+    _abort_process_group()
+    open(aborted, "w").close()
+    res["w2"] = world("w2", 0)
+    dist.destroy_process_group()
+    return res
+
+
+def test_a_group_torch_let_go_of_does_not_speak_for_a_new_world():
+    results = spawn(abort_and_rebuild, 3, timeout=DEADLINE_S)
+    assert results[0] == {"w1": [2.0, 2.0], "w2": [2.0, 2.0]}, results
+    assert results[1] == {"w1": [2.0, 2.0]} and results[2] == {"w2": [2.0, 2.0]}, results
+
+
 def test_rank_that_exits_before_new_group_is_noticed_at_once():
     results = spawn(exit_before_new_group, 3, timeout=DEADLINE_S)
     assert [r["sum"] for r in results] == [[3.0] * 4] * 3

@@ -105,14 +105,33 @@ def _known_peers(global_ranks: Optional[list]) -> dict:
     ``new_group`` fails the set-up at once. Empty when ``global_ranks`` is None."""
     if not global_ranks:
         return {}
+    held = _held_by_torch()
     by_global: dict = {}
     for group in list(_groups):
         ranks = getattr(group, "_global_ranks", None)
-        if ranks is None or group._closed or group._pid != os.getpid():
+        if ranks is None or group._closed or group._pid != os.getpid() or id(group) not in held:
             continue
         for g, peer in zip(ranks, group._layout.peers):
             by_global.setdefault(g, peer)
     return {r: by_global[g] for r, g in enumerate(global_ranks) if g in by_global}
+
+
+def _held_by_torch() -> set:
+    """The ids of the flagos_shm groups of the process groups torch holds now (c10d's group
+    map). A group torch has let go of (``_abort_process_group``, an in-process restart)
+    may live on while something references it, with ranks whose processes are gone, and
+    must not speak for the ranks of a new world."""
+    held = set()
+    for pg in list(getattr(dist.distributed_c10d._world, "pg_map", {})):
+        for device in getattr(pg, "_device_types", ()):
+            try:
+                part = pg._get_backend(device)
+            except (RuntimeError, ValueError):
+                continue
+            group = getattr(part, "group", None)
+            if group is not None:
+                held.add(id(group))
+    return held
 
 
 def fast_dtype(t) -> Optional[str]:
