@@ -264,24 +264,12 @@ os._exit(0)
 """
 
 
-@pytest.mark.parametrize("case", ["destroy", "recv", "loop"])
-def test_a_daemon_threads_call_ended_by_the_exit_does_not_abort_it(case, tmp_path):
-    """A daemon thread whose call the exit itself ends (the main thread's
-    ``destroy_process_group`` just before it returns, or the exit's abort of point-to-point
-    transfers), or whose calls keep succeeding while the process exits, leaves the process
-    exiting with status 0, four times in a row: the thread either raises before the
-    interpreter finalizes (flagos_shm's exit handler waits for it) or, once that handler has
-    begun, parks instead of going back through torch's frames (``flagos_shm.backend.exiting``,
-    ``rust/binding/exit.rs``). Before, torch took the GIL back for it during finalization and
-    CPython's ``pthread_exit`` aborted the process (SIGABRT) in 2-5 of 8 runs of each case on
-    torch 2.15 and 2.10 (Intel Xeon VM, 2026-12-06). The race is not forced, so this test
-    catches such a regression in most runs, not in all."""
+def run_exit_race(case: str, tmp_path, runs: int, env: dict) -> None:
+    """Runs both ranks of :data:`EXIT_RACE_PY` ``runs`` times and asserts that rank 0 exits
+    with status 0 each time."""
     script = tmp_path / "exit_race.py"
     script.write_text(EXIT_RACE_PY)
-    env = {**os.environ, "FLAGOS_SHM_CACHE_DIR": os.environ.get("FLAGOS_SHM_CACHE_DIR", "")}
-    if not env["FLAGOS_SHM_CACHE_DIR"]:
-        del env["FLAGOS_SHM_CACHE_DIR"]
-    for run in range(4):
+    for run in range(runs):
         d = tmp_path / f"run{run}"
         d.mkdir()
         peer = subprocess.Popen([sys.executable, str(script), case, "1", str(d)], env=env,
@@ -298,3 +286,38 @@ def test_a_daemon_threads_call_ended_by_the_exit_does_not_abort_it(case, tmp_pat
                 peer.kill()
                 peer.wait()
         assert rank0.returncode == 0, (run, rank0.returncode, (d / "rank0.log").read_text()[-3000:])
+
+
+@pytest.mark.parametrize("case", ["destroy", "recv", "loop"])
+def test_a_daemon_threads_call_ended_by_the_exit_does_not_abort_it(case, tmp_path):
+    """A daemon thread whose call the exit itself ends (the main thread's
+    ``destroy_process_group`` just before it returns, or the exit's abort of point-to-point
+    transfers), or whose calls keep succeeding while the process exits, leaves the process
+    exiting with status 0, four times in a row: the thread either raises before the
+    interpreter finalizes (flagos_shm's exit handler waits for it) or, once that handler has
+    begun, parks instead of going back through torch's frames (``flagos_shm.backend.exiting``,
+    ``rust/binding/exit.rs``). Before, torch took the GIL back for it during finalization and
+    CPython's ``pthread_exit`` aborted the process (SIGABRT) in 2-5 of 8 runs of each case on
+    torch 2.15 and 2.10 (Intel Xeon VM, 2026-12-06). The race is not forced, so this test
+    catches such a regression in most runs, not in all."""
+    run_exit_race(case, tmp_path, 4, dict(os.environ))
+
+
+@pytest.mark.timeout(900)
+def test_a_daemon_thread_crossing_torchs_frames_at_exit_does_not_abort_it(tmp_path):
+    """The windows in which a daemon thread looping over allreduces crosses torch's C++
+    frames without the GIL (on its way into a call, before the adapter takes the GIL; on its
+    way back from one, after the adapter has let it go), widened to 20 ms each by a test
+    build of the C++ adapter (``FLAGOS_SHM_TEST_EXIT_WINDOW_US``, a separate cached build
+    since the compiler command is part of the cache key): the exit handler waits for such a
+    thread to run Python again, so the process exits with status 0, three times in a row.
+    Before, it aborted ("terminate called without an active exception") in 8 of 10 runs of
+    this build, and in about 1 of 50 CI runs of the plain one (Intel Xeon VM, 2026-12-06)."""
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler.split()[0]) is None:
+        pytest.skip(f"no C++ compiler {compiler!r}")
+    env = dict(os.environ, CXX=f"{compiler} -DFLAGOS_SHM_TEST_EXIT_WINDOW_US=20000")
+    # Built once here, not by both ranks at once inside their set-up timeout.
+    subprocess.run([sys.executable, "-c", "from flagos_shm.backend import adapter; adapter.native()"], env=env,
+                   check=True, capture_output=True, timeout=900)
+    run_exit_race("loop", tmp_path, 3, env)

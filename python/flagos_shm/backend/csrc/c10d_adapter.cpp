@@ -121,6 +121,16 @@ class PythonCall {
     return park;
   }
 
+#ifdef FLAGOS_SHM_TEST_EXIT_WINDOW_US
+  // Tests only (tests/test_shutdown_queued.py builds a copy of this module with it): widens
+  // the two windows in which a thread crosses torch's frames without the GIL, before this
+  // call takes it and after it has let it go (flagos_shm.backend.exiting explains them).
+  struct Widen {
+    Widen() { pause(); }
+    ~Widen() { pause(); }
+    static void pause() { std::this_thread::sleep_for(std::chrono::microseconds(FLAGOS_SHM_TEST_EXIT_WINDOW_US)); }
+  } widen_;  // constructed before gil_, destroyed after it
+#endif
   py::gil_scoped_acquire gil_;
   const int uncaught_ = std::uncaught_exceptions();
 };
