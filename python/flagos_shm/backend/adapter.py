@@ -21,12 +21,13 @@ import sys
 import threading
 
 import torch
+import torch.distributed.distributed_c10d as c10d
 
 from .. import _cxx, staging
 from . import dynamo, rendezvous
 from .group import ShmGroup
 
-__all__ = ["create_backend", "native", "process_group", "shm_part"]
+__all__ = ["create_backend", "known_peers", "native", "process_group", "shm_part"]
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 _SOURCE = os.path.join(_CSRC, "c10d_adapter.cpp")
@@ -88,8 +89,9 @@ def create_backend(backend_opts, pg_options=None):
     # c10d's global_ranks_in_group: the default group's ranks of the group's ranks, empty
     # for the default group itself
     global_ranks = [int(r) for r in getattr(backend_opts, "global_ranks_in_group", None) or []]
+    global_ranks = global_ranks or list(range(backend_opts.group_size))
     group = ShmGroup(backend_opts.store, backend_opts.group_rank, backend_opts.group_size, backend_opts.timeout,
-                     group_name=name, global_ranks=global_ranks or range(backend_opts.group_size))
+                     group_name=name, global_ranks=global_ranks, known_peers=known_peers(global_ranks))
     return adapter.ShmBackend(group, backend_opts.group_rank, backend_opts.group_size)
 
 
@@ -109,6 +111,28 @@ def shm_part(group, device: str = "cpu"):
         return None
     inner = getattr(part, "group", None)
     return inner if isinstance(inner, ShmGroup) else None
+
+
+def known_peers(global_ranks) -> dict:
+    """For a group being set up whose ranks are ``global_ranks`` (default-group ranks, by
+    group rank): group rank -> identity (:func:`flagos_shm.backend.rendezvous.identity`) of
+    the process that is that rank in a flagos_shm part of a process group torch holds now
+    (c10d's group map: the default group, earlier subgroups). The rendezvous watches these
+    processes until they publish their own identity, so that one that exited before calling
+    ``new_group`` fails the set-up at once. A group torch has let go of
+    (``_abort_process_group``, an in-process restart) may live on while something references
+    it, with ranks whose processes are gone: it is not asked. Empty when ``global_ranks`` is
+    empty or None."""
+    if not global_ranks:
+        return {}
+    by_global: dict = {}
+    for pg in list(getattr(c10d._world, "pg_map", {})):
+        for device in getattr(pg, "_device_types", ()):
+            part = shm_part(pg, getattr(device, "type", device))
+            if part is not None:
+                for g, peer in part.identities_by_global_rank().items():
+                    by_global.setdefault(g, peer)
+    return {r: by_global[g] for r, g in enumerate(global_ranks) if g in by_global}
 
 
 def process_group(store, rank: int, world_size: int, timeout=None, group_name: str = "",

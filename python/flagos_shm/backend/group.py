@@ -37,7 +37,10 @@ class ShmGroup(Collectives):
         group_name: the c10d group name (error messages).
         global_ranks: the default group's rank of each group rank (c10d's
             ``global_ranks_in_group``; ``range(world_size)`` for the default group), or None
-            where unknown: lets the set-up notice at once a rank that exited before joining.
+            where unknown: kept to tell later groups' set-ups who this group's ranks are.
+        known_peers: group rank -> identity of the ranks whose process this process already
+            knows from its other live groups (:func:`flagos_shm.backend.adapter.known_peers`),
+            or None: the set-up notices at once one that exited before joining.
 
     Raises:
         ValueError: ``rank`` out of range, a malformed setting on this rank
@@ -53,10 +56,10 @@ class ShmGroup(Collectives):
     _sync_returns_none = True
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout=default_pg_timeout,
-                 group_name: str = "", global_ranks=None):
+                 group_name: str = "", global_ranks=None, known_peers=None):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank: expected 0 <= rank < world_size={world_size}, got {rank}")
-        self._setup(store, rank, world_size, timeout, group_name, global_ranks)
+        self._setup(store, rank, world_size, timeout, group_name, global_ranks, known_peers)
 
     def __repr__(self) -> str:
         return f"ShmGroup(group={self._group_name!r}, rank={self._rank}, world_size={self._world_size})"
@@ -82,8 +85,10 @@ class ShmGroup(Collectives):
         timeout = getattr(opts, "_timeout", None) or timedelta(seconds=self._timeout_s)
         name = getattr(opts, "group_name", "") or f"{self._group_name}:split"
         parents = self._global_ranks
+        # the subgroup's ranks are this group's: their processes are known from its set-up
         return ShmGroup(store, ranks.index(self._rank), len(ranks), timeout, group_name=name,
-                        global_ranks=None if parents is None else [parents[r] for r in ranks])
+                        global_ranks=None if parents is None else [parents[r] for r in ranks],
+                        known_peers={i: self._layout.peers[r] for i, r in enumerate(ranks)})
 
     # ---- coalescing (``_coalescing_manager(device=...)``) -------------------------------
 

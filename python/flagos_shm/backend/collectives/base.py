@@ -96,44 +96,6 @@ def _shut_down_busy_groups_at_exit() -> None:
 atexit.register(_shut_down_busy_groups_at_exit)
 
 
-def _known_peers(global_ranks: Optional[list]) -> dict:
-    """For a group being set up whose ranks are ``global_ranks`` (default-group ranks, by
-    group rank): group rank -> identity (:func:`flagos_shm.backend.rendezvous.identity`) of
-    the process that is that rank in a live group of this process made with known global
-    ranks (the default group, earlier subgroups). The rendezvous watches these processes
-    until they publish their own identity, so that one that exited before calling
-    ``new_group`` fails the set-up at once. Empty when ``global_ranks`` is None."""
-    if not global_ranks:
-        return {}
-    held = _held_by_torch()
-    by_global: dict = {}
-    for group in list(_groups):
-        ranks = getattr(group, "_global_ranks", None)
-        if ranks is None or group._closed or group._pid != os.getpid() or id(group) not in held:
-            continue
-        for g, peer in zip(ranks, group._layout.peers):
-            by_global.setdefault(g, peer)
-    return {r: by_global[g] for r, g in enumerate(global_ranks) if g in by_global}
-
-
-def _held_by_torch() -> set:
-    """The ids of the flagos_shm groups of the process groups torch holds now (c10d's group
-    map). A group torch has let go of (``_abort_process_group``, an in-process restart)
-    may live on while something references it, with ranks whose processes are gone, and
-    must not speak for the ranks of a new world."""
-    held = set()
-    for pg in list(getattr(dist.distributed_c10d._world, "pg_map", {})):
-        for device in getattr(pg, "_device_types", ()):
-            try:
-                part = pg._get_backend(device)
-            except (RuntimeError, ValueError):
-                continue
-            group = getattr(part, "group", None)
-            if group is not None:
-                held.add(id(group))
-    return held
-
-
 def fast_dtype(t) -> Optional[str]:
     """The core dtype of ``t`` if it is a tensor the fast paths take as it is, else None:
     an exact ``torch.Tensor`` on the CPU, strided, contiguous, without a lazy negation,
@@ -207,7 +169,8 @@ class CollectiveBase:
     # ---- set-up and lifetime ----------------------------------------------------------
 
     def _setup(self, store: dist.Store, rank: int, world_size: int, timeout=default_pg_timeout,
-               group_name: str = "", global_ranks: Optional[list] = None) -> None:
+               group_name: str = "", global_ranks: Optional[list] = None,
+               known_peers: Optional[dict] = None) -> None:
         """Meet the group's other ranks through ``store`` and attach to the segment.
 
         Args:
@@ -219,10 +182,13 @@ class CollectiveBase:
                 each collective unless its options give another one.
             group_name: the c10d group name, used in error messages.
             global_ranks: the default group's rank of each of the group's ranks (c10d's
-                ``global_ranks_in_group``), or None where unknown. With them a rank that
-                exited before joining the group, and is a member of another live group of
-                this process (the default one), is noticed at once instead of at the
-                timeout.
+                ``global_ranks_in_group``), or None where unknown; kept for the groups made
+                later (:meth:`identities_by_global_rank`).
+            known_peers: group rank -> identity (:func:`..rendezvous.identity`) of the
+                ranks whose process is known from this process's other live groups (the
+                c10d adapter's ``known_peers``, a parent's layout for a split), or None: a
+                rank among them that exited before joining is noticed at once instead of
+                at the timeout.
 
         Raises:
             ValueError: ``timeout`` is zero or negative, a malformed setting on this rank
@@ -262,7 +228,7 @@ class CollectiveBase:
         ok = global_ranks is not None and len(global_ranks) == world_size
         self._global_ranks = [int(g) for g in global_ranks] if ok else None
         try:
-            layout = rendezvous(store, rank, world_size, timeout_s, _known_peers(self._global_ranks))
+            layout = rendezvous(store, rank, world_size, timeout_s, known_peers or {})
         except RuntimeError as exc:  # a store wait timed out, a rank exited, or rank 0 failed to create
             raise options.with_context(exc, f"{where}: setting up: {exc}") from exc
         self._layout = layout
@@ -287,6 +253,15 @@ class CollectiveBase:
             self._comm = HierarchicalComm(store, layout, rank, world_size, timeout_s, where)
             self._plan, self._plan_source = self._comm.plan, self._comm.plan_source
         _groups.add(self)
+
+    def identities_by_global_rank(self) -> dict:
+        """Default-group rank -> identity (:func:`..rendezvous.identity`) of each of this
+        group's ranks, as its set-up learned them; empty when the group's global ranks are
+        unknown, or it has been shut down, or it was made in another process (before a
+        fork). What the c10d adapter tells a later group's set-up about its ranks."""
+        if self._global_ranks is None or self._closed or self._pid != os.getpid():
+            return {}
+        return dict(zip(self._global_ranks, self._layout.peers))
 
     def set_timeout(self, timeout) -> None:
         """Set the default timeout of later collectives (``timedelta`` or seconds > 0).
