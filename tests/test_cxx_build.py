@@ -9,6 +9,7 @@ so these tests take no real compile time; what it is asked to do is logged.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -94,14 +95,65 @@ def test_a_cache_directory_that_cannot_be_made_is_named_with_its_setting(tmp_pat
 
 
 def test_missing_torch_headers_are_named(tmp_path, monkeypatch, source):
-    import torch.utils.cpp_extension as cpp
-
     monkeypatch.setenv("CXX", _fake_compiler(tmp_path))
-    monkeypatch.setattr(cpp, "include_paths", lambda *a, **k: [str(tmp_path / "include")])
+    monkeypatch.setattr(_cxx, "include_paths", lambda: [str(tmp_path / "include")])
     with pytest.raises(_cxx.BuildError, match="torch/csrc/distributed/c10d/Backend.hpp.*without its headers"):
         _cxx.build(source, "probe", what="the probe", python_module=False,
                    headers=("torch/csrc/distributed/c10d/Backend.hpp",))
     assert _calls(tmp_path) == 0
+
+
+def test_torchs_paths_are_those_cpp_extension_gives():
+    """flagos_shm finds torch's headers and libraries without importing
+    torch.utils.cpp_extension (_cxx.include_paths says why); the installed torch's
+    cpp_extension gives the same directories for a CPU build."""
+    import torch.utils.cpp_extension as cpp
+
+    assert _cxx.include_paths() == [os.path.abspath(p) for p in cpp.include_paths()]
+    assert _cxx.library_paths() == [os.path.abspath(p) for p in cpp.library_paths()]
+    assert all(os.path.isdir(p) for p in _cxx.include_paths() + _cxx.library_paths())
+
+
+# A process group made and destroyed inside a function, with the collector off: torch's Gloo
+# keeps its worker threads until its group is freed. Prints the thread counts and whether
+# torch.utils.cpp_extension was imported.
+PINNED_FRAMES_PY = """
+import gc, json, os, sys
+gc.disable()
+import torch, torch.distributed as dist
+import flagos_shm
+torch.set_num_threads(1)
+torch.ones(4).add_(1)
+def tasks():
+    return len(os.listdir("/proc/self/task"))
+def run(path):
+    dist.init_process_group("gloo", init_method="file://" + path, rank=0, world_size=1)
+    group = dist.new_group([0], backend="flagos_shm")
+    t = torch.ones(4)
+    dist.all_reduce(t, group=group)
+    dist.barrier()
+    dist.destroy_process_group()
+before = tasks()
+run(sys.argv[1])
+print(json.dumps({"before": before, "after": tasks(), "cpp_extension": "torch.utils.cpp_extension" in sys.modules}))
+"""
+
+
+@pytest.mark.timeout(600)
+def test_making_the_first_group_pins_none_of_the_callers_frames(tmp_path):
+    """The first flagos_shm group of a process builds (or finds) the adapter without
+    importing torch.utils.cpp_extension: on torch 2.10 that import (setuptools,
+    pkg_resources) left exceptions in reference cycles that held every frame of the caller's
+    stack, so a Gloo group made and destroyed in a function kept its worker threads after
+    the function returned (4 threads against 1), until a full collection; at interpreter
+    exit such a thread aborted the process now and then (``flagos_shm._cxx.include_paths``)."""
+    script = tmp_path / "pinned.py"
+    script.write_text(PINNED_FRAMES_PY)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True,
+                          timeout=540, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen == {"before": seen["before"], "after": seen["before"], "cpp_extension": False}, seen
 
 
 def test_a_failed_compile_names_the_torch_and_leaves_nothing(tmp_path, monkeypatch, source):

@@ -53,10 +53,27 @@ def _torch_version() -> str:
     return torch.__version__
 
 
+def include_paths() -> list:
+    """The directories of torch's C++ headers for a CPU build: what
+    ``torch.utils.cpp_extension.include_paths()`` returns (``tests/test_cxx_build.py``
+    checks that they agree), without importing that module. Importing it imports setuptools
+    (and, with older setuptools, ``pkg_resources``, whose parser leaves exceptions in
+    reference cycles): done inside the first group's set-up, that garbage kept every frame
+    of the caller's stack alive, with its locals (the caller's process groups, a Gloo group's
+    worker threads among them), until the next full collection, often the interpreter's
+    last, where such a thread aborted the process (``flagos_shm._launch.worker_teardown``)."""
+    include = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "include")
+    return [include, os.path.join(include, "torch", "csrc", "api", "include")]
+
+
+def library_paths() -> list:
+    """The directory of torch's libraries: ``torch.utils.cpp_extension.library_paths()`` for
+    a CPU build, without importing that module (:func:`include_paths`)."""
+    return [os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "lib")]
+
+
 def _check_headers(what: str, headers: tuple, python_module: bool) -> None:
     """Raise :class:`BuildError` naming the first header the build needs that is missing."""
-    from torch.utils.cpp_extension import include_paths
-
     for header in headers:
         if not any(os.path.exists(os.path.join(root, header)) for root in include_paths()):
             raise BuildError(
@@ -71,8 +88,6 @@ def _check_headers(what: str, headers: tuple, python_module: bool) -> None:
 
 
 def _command(source: str, output: str, python_module: bool, optimize: str) -> list:
-    from torch.utils.cpp_extension import include_paths, library_paths
-
     cmd = os.environ.get("CXX", "c++").split()
     cmd += ["-shared", "-fPIC", "-std=c++20", optimize, "-w"]
     # torch's libstdc++ ABI (a mismatch fails to load); pybind11 >= 3 keys its shared
