@@ -30,6 +30,7 @@ rank process, whether it was started by :func:`launch` or by ``torchrun``.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import subprocess
@@ -186,11 +187,25 @@ def worker_setup() -> None:
 
 
 def worker_teardown() -> None:
-    """Restore the default SIGTERM action once the rank's work is done.
+    """Once the rank's work is done (its function has returned, its process groups
+    destroyed): free what still holds a process group, and restore the default SIGTERM
+    action.
 
-    A SIGTERM that arrives while the interpreter shuts down then ends the process
-    quietly instead of raising SystemExit inside atexit handlers.
+    * A process group that ``destroy_process_group`` let go of lives on while something
+      references it: a reference cycle that holds a frame of the rank's stack (an exception
+      kept with its traceback) holds its locals until the next full collection, often the
+      interpreter's last. A Gloo group keeps its worker threads until it is freed, and such
+      a thread that drops the last reference to a finished work (a barrier holds the works
+      before it, whose tensors were made in Python) takes the GIL to free them: one that
+      does so while the interpreter finalizes aborts the process ("terminate called without
+      an active exception": 2 of 45 runs of ``tests/test_bench.py``'s 3-rank run on torch
+      2.10, Intel Xeon VM, 2026-12-06, where the import of ``torch.utils.cpp_extension``
+      made such a cycle, see :func:`flagos_shm._cxx.include_paths`; pytorch/pytorch#190489).
+      Collected here, a Gloo group joins its worker threads while Python can serve them.
+    * A SIGTERM that arrives while the interpreter shuts down then ends the process
+      quietly instead of raising SystemExit inside atexit handlers.
     """
+    gc.collect()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
