@@ -21,20 +21,20 @@ ended by ``destroy_process_group`` just before the main thread returned. So:
 * once it has begun, a thread other than the main one whose call fails parks until the
   process exits instead of going back, and so does a daemon thread whose call succeeds
   (:func:`returning_at_exit`): every non-daemon thread has been joined by then, and the
-  interpreter abandons the rest;
+  interpreter abandons the rest. (An ``atexit`` handler registered before ``import
+  flagos_shm`` runs after flagos_shm's, and one that joins such a daemon thread waits for
+  good; handlers registered later run before it, while the thread still raises.)
 * a thread crossing torch's C++ frames without the GIL when the handler begins, on its way
   into a flagos_shm call (not yet at the adapter's check) or back from one that succeeded
   (past it), asks for the GIL within microseconds and would be ended the same way if the
-  interpreter finalized first: the rarer exit abort left after the two cases above ("terminate
-  called without an active exception" in 1 of roughly 50 runs of a daemon thread looping
-  over allreduces, and in 8 of 10 with both windows widened to 20 ms, Intel Xeon VM,
-  2026-12-06). :func:`wait_for_landings` therefore also waits, at most
+  interpreter finalized first: the rarer exit abort left after the two cases above
+  ("terminate called without an active exception" in 1 of about 40 runs of a daemon
+  thread looping over allreduces, and in 8 of 10 with both windows widened to 20 ms, Intel
+  Xeon VM, 2026-12-06). :func:`wait_for_landings` therefore also waits, at most
   :data:`CROSSING_WAIT_S`, until each thread whose topmost frame was torch.distributed's
   Python code, blocked in a C call, has run Python again (that frame moved on, or another
-  frame is on top), parked, or entered the core. A thread that calls a process group's or a
-  work's methods from its own code directly is not seen this way. (An ``atexit`` handler registered before ``import
-  flagos_shm`` runs after flagos_shm's, and one that joins such a daemon thread waits for
-  good; handlers registered later run before it, while the thread still raises.)
+  frame is on top), parked, or entered the core. A thread that calls a process group's or
+  a work's methods from its own code directly is not seen this way.
 
 A failing call costs one dictionary entry per thread; a succeeding one, one relaxed atomic
 load in the adapter (a Python call only once the handler has begun).
