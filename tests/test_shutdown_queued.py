@@ -7,6 +7,7 @@ with such work shuts its group down the same way at exit.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -321,3 +322,76 @@ def test_a_daemon_thread_crossing_torchs_frames_at_exit_does_not_abort_it(tmp_pa
     subprocess.run([sys.executable, "-c", "from flagos_shm.backend import adapter; adapter.native()"], env=env,
                    check=True, capture_output=True, timeout=900)
     run_exit_race("loop", tmp_path, 3, env)
+
+
+# Rank 0's daemon thread loops over allreduces (rank 1's too); rank 0's main thread then does
+# what flagos_shm's exit handler does first (``_core.python_exiting``), so that the thread's
+# next call to end parks it, and reports whether the thread, once its loop has stopped, is
+# among the threads the exit handler does not wait for.
+PARKED_PY = """
+import json, os, sys, threading, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+import flagos_shm
+from flagos_shm import _core
+rank, tmp = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("flagos_shm", init_method="file://" + os.path.join(tmp, "store"), rank=rank,
+                        world_size=2, timeout=timedelta(seconds=60))
+calls = [0]
+def loop():
+    t = torch.ones(1024)
+    try:
+        while True:
+            dist.all_reduce(t)
+            calls[0] += 1
+    except RuntimeError:  # rank 1: rank 0 exited
+        pass
+thread = threading.Thread(target=loop, daemon=True)
+thread.start()
+while calls[0] < 10:
+    time.sleep(0.01)
+if rank == 0:
+    _core.python_exiting()
+    end = time.monotonic() + 30
+    seen, since, listed = calls[0], time.monotonic(), False
+    while time.monotonic() < end:
+        time.sleep(0.05)
+        if calls[0] != seen:
+            seen, since = calls[0], time.monotonic()
+        listed = thread.ident in _core.threads_in_calls()
+        if listed and time.monotonic() - since > 1.0:
+            break
+    print(json.dumps({"stopped_s": round(time.monotonic() - since, 2), "listed": listed}), flush=True)
+    open(os.path.join(tmp, "rank0.done"), "w").close()
+    os._exit(0)
+end = time.monotonic() + 60
+while not os.path.exists(os.path.join(tmp, "rank0.done")) and time.monotonic() < end:
+    time.sleep(0.01)
+os._exit(0)
+"""
+
+
+def test_a_thread_parked_at_exit_is_not_waited_for(tmp_path):
+    """A daemon thread whose call ends after the exit handler's ``_core.python_exiting``
+    parks in the binding for good (``rust/binding/exit.rs``, ``detach_blocking``) and is
+    listed with the threads in calls, which the handler does not wait for. Before, it was
+    not listed, and its frames, still in flagos_shm's code, made the handler wait its whole
+    2 s bound (``exiting.LANDING_WAIT_S``) in about half the runs of a daemon thread looping
+    over allreduces (a review, 2026-12-06, both torches)."""
+    script = tmp_path / "parked.py"
+    script.write_text(PARKED_PY)
+    peer = subprocess.Popen([sys.executable, str(script), "1", str(tmp_path)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        rank0 = subprocess.run([sys.executable, str(script), "0", str(tmp_path)], capture_output=True, text=True,
+                               timeout=3 * GROUP_TIMEOUT_S)
+    finally:
+        (tmp_path / "rank0.done").touch()
+        try:
+            peer.wait(timeout=GROUP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            peer.kill()
+            peer.wait()
+    assert rank0.returncode == 0, rank0.stderr[-3000:]
+    seen = json.loads(rank0.stdout.strip().splitlines()[-1])
+    assert seen["listed"], seen

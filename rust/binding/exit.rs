@@ -139,6 +139,11 @@ pub(super) fn detach_blocking<T: Send>(py: Python<'_>, f: impl Send + FnOnce() -
         let entry = RETURNING.with(|r| r.take()).unwrap_or_else(Entry::new);
         if exiting_elsewhere() {
             drop(entry);
+            // Listed with the threads in calls again (threads_in_calls): it runs no Python
+            // from now on, so the exit handler must not wait for it. (Unlisted, its frames,
+            // still in flagos_shm's code, made the handler wait its whole 2 s bound in about
+            // half the runs of a daemon thread looping over allreduces: a review, 2026-12-06.)
+            IN_CALL.with(|flag| flag.0.store(true, SeqCst));
             loop {
                 std::thread::park();
             }
@@ -179,7 +184,8 @@ fn lock_callers() -> std::sync::MutexGuard<'static, Vec<(u64, Arc<AtomicBool>)>>
 
 /// The ids (as `threading.get_ident()` gives them) of the threads blocked in a call made
 /// through [`detach_blocking`] now: waiting in the core, with no Python code to run until
-/// their call ends. `flagos_shm`'s exit handler does not wait for them.
+/// their call ends, or parked for good after it ended once the exit began. `flagos_shm`'s
+/// exit handler does not wait for them.
 #[pyfunction]
 pub(super) fn threads_in_calls() -> Vec<u64> {
     lock_callers().iter().filter(|(_, flag)| flag.load(SeqCst)).map(|(id, _)| *id).collect()
