@@ -332,7 +332,7 @@ def rendezvous(store: dist.Store, rank: int, world_size: int, timeout_s: float,
         return _find_nodes(store, rank, world_size, base, deadline, known)
     except Exception as exc:
         publish_failure(store, base, rank, exc)
-        leave_together(store, base, rank, world_size, deadline)
+        leave_together(store, base, rank, world_size, deadline, known)
         raise
     except BaseException as exc:  # Ctrl-C and the like: leave at once
         publish_failure(store, base, rank, exc)
@@ -372,7 +372,8 @@ def attach(layout, timeout_s: float, where: str):
         raise type(exc)(f"{where}: attaching to {path}: {exc}") from exc
 
 
-def leave_together(store: dist.Store, base: str, rank: int, world_size: int, deadline: float) -> None:
+def leave_together(store: dist.Store, base: str, rank: int, world_size: int, deadline: float,
+                   known: Optional[dict] = None) -> None:
     """On a failed set-up (here, and in :func:`flagos_shm.backend.plan.setup`): say that
     this rank is done with the store for incarnation ``base``, then wait until every other
     rank has said so, has exited, or :data:`LEAVE_WAIT_S` (never past ``deadline``,
@@ -383,13 +384,16 @@ def leave_together(store: dist.Store, base: str, rank: int, world_size: int, dea
     failed (a probe's verdicts, a segment error, the failure key), and they raised
     ``DistNetworkError: Broken pipe`` instead of the cause. Every failing rank reaches this
     point within a poll interval of the first (each wait of the set-up also watches the
-    failure key), so the wait is short; exited ranks are not waited for, and ranks whose
+    failure key), so the wait is short; exited ranks are not waited for (a rank that never
+    published its process id counts as exited when ``known``, as :func:`rendezvous` takes
+    it, has its process and that process is gone: before, the others waited the whole
+    ``LEAVE_WAIT_S`` for a rank that exited before ``new_group``), and ranks whose
     processes this rank cannot watch (other PID namespaces) at most ``LEAVE_WAIT_S``."""
     end = min(deadline, time.monotonic() + LEAVE_WAIT_S)
     pause = _POLL_FIRST_S
     try:
         store.set(f"{base}/left/{rank}", "1")
-        watch = _Watch(store, base, rank, world_size, _parse_peer(json.dumps(identity())))
+        watch = _Watch(store, base, rank, world_size, _parse_peer(json.dumps(identity())), known)
         while True:
             gone = {r for r, pid in watch().items() if _core.process_exited(pid)}
             keys = [f"{base}/left/{r}" for r in range(world_size) if r != rank and r not in gone]
