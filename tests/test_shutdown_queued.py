@@ -265,6 +265,17 @@ os._exit(0)
 """
 
 
+def release_peer(peer: subprocess.Popen, marker) -> None:
+    """Create ``marker`` (the file rank 1 waits for before it exits), then wait for rank 1's
+    process, killing it if it is still there after :data:`GROUP_TIMEOUT_S`."""
+    marker.touch()
+    try:
+        peer.wait(timeout=GROUP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        peer.kill()
+        peer.wait()
+
+
 def run_exit_race(case: str, tmp_path, runs: int, env: dict) -> None:
     """Runs both ranks of :data:`EXIT_RACE_PY` ``runs`` times and asserts that rank 0 exits
     with status 0 each time."""
@@ -280,12 +291,7 @@ def run_exit_race(case: str, tmp_path, runs: int, env: dict) -> None:
                 rank0 = subprocess.run([sys.executable, str(script), case, "0", str(d)], env=env, stdout=log,
                                        stderr=subprocess.STDOUT, timeout=3 * GROUP_TIMEOUT_S)
         finally:
-            (d / "rank0.exited").touch()
-            try:
-                peer.wait(timeout=GROUP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                peer.kill()
-                peer.wait()
+            release_peer(peer, d / "rank0.exited")
         assert rank0.returncode == 0, (run, rank0.returncode, (d / "rank0.log").read_text()[-3000:])
 
 
@@ -386,12 +392,7 @@ def test_a_thread_parked_at_exit_is_not_waited_for(tmp_path):
         rank0 = subprocess.run([sys.executable, str(script), "0", str(tmp_path)], capture_output=True, text=True,
                                timeout=3 * GROUP_TIMEOUT_S)
     finally:
-        (tmp_path / "rank0.done").touch()
-        try:
-            peer.wait(timeout=GROUP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            peer.kill()
-            peer.wait()
+        release_peer(peer, tmp_path / "rank0.done")
     assert rank0.returncode == 0, rank0.stderr[-3000:]
     seen = json.loads(rank0.stdout.strip().splitlines()[-1])
     assert seen["listed"], seen
