@@ -174,9 +174,17 @@ impl Communicator {
                     path.display()
                 ))));
             }
+            // Its block is read again after the liveness check: a rank that attached, got
+            // past this loop (every rank, this one too, had attached) and exited after our
+            // `unattached` snapshot did attach (sync::check_stop reads in the same order).
             let gone: Vec<String> = sync::unattached(&seg)
                 .into_iter()
-                .filter_map(|r| peer_pids.get(r).filter(|&&p| p != 0 && pid_dead(p)).map(|p| format!("rank {r} (pid {p})")))
+                .filter_map(|r| {
+                    peer_pids
+                        .get(r)
+                        .filter(|&&p| p != 0 && pid_dead(p) && sync::pid_of(&seg, r) == 0)
+                        .map(|p| format!("rank {r} (pid {p})"))
+                })
                 .collect();
             if !gone.is_empty() {
                 sync::abort(&seg, rank);
