@@ -127,7 +127,7 @@ def _store_wait(store: dist.Store, keys, deadline: float, what: str, watch: Call
         if failure is not None and store.check([failure]):
             raise RuntimeError(f"{what}: {_get_all(store, [failure])[0]}")
         gone = [f"group rank {r} (pid {pid})" for r, pid in watch().items() if _core.process_exited(pid)]
-        if gone:
+        if gone and not published(store, keys):
             raise RuntimeError(f"{what}: {', '.join(gone)} exited")
         left = deadline - time.monotonic()
         if left <= 0:
@@ -135,6 +135,20 @@ def _store_wait(store: dist.Store, keys, deadline: float, what: str, watch: Call
             raise RuntimeError(f"{what}: not there within the group's timeout (missing {', '.join(missing)})")
         time.sleep(min(pause, left))
         pause = min(2 * pause, _POLL_MAX_S)
+
+
+def published(store: dist.Store, keys: list) -> bool:
+    """Whether every key of ``keys`` is in ``store``; False if the store cannot be reached.
+
+    For a wait that found a watched process gone: looked at once more *after* that
+    finding, the keys tell whether the rank published what was waited for and then exited
+    (its keys precede its exit), which is no failure; the wait's own check, made before,
+    may predate them. The store may have gone with the rank (``TCPStore`` on rank 0):
+    then the exit is what to report."""
+    try:
+        return bool(store.check(keys))
+    except Exception:  # noqa: BLE001  the store went with its host: report the exit
+        return False
 
 
 def wait_keys(store: dist.Store, keys: list, deadline: float, what: str, watch: Callable[[], dict],

@@ -9,7 +9,7 @@ from datetime import timedelta
 from ... import _core
 from ...work import ShmWork
 from .. import options
-from ..rendezvous import watchable
+from ..rendezvous import published, watchable
 from .base import CollectiveBase
 
 _POLL_S = 0.002  # store polling of monitored_barrier's group rank 0
@@ -78,7 +78,7 @@ class Barrier(CollectiveBase):
             deadline = time.monotonic() + timeout_s
             while not store.check([f"{base}/release"]):
                 failed = store.check([f"{base}/failed"])
-                gone = not failed and exited(0)
+                gone = not failed and exited(0) and not published(store, [f"{base}/release"])
                 if failed or gone or time.monotonic() > deadline:
                     why = ("rank 0 reported missing ranks" if failed else
                            f"rank 0's process {pids[0]} exited" if gone else
