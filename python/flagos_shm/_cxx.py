@@ -53,6 +53,11 @@ def _torch_version() -> str:
     return torch.__version__
 
 
+def _torch_dir() -> str:
+    """The directory of the installed torch package (``include/`` and ``lib/`` lie in it)."""
+    return os.path.dirname(os.path.abspath(torch.__file__))
+
+
 def include_paths() -> list:
     """The directories of torch's C++ headers for a CPU build: what
     ``torch.utils.cpp_extension.include_paths()`` returns (``tests/test_cxx_build.py``
@@ -62,14 +67,14 @@ def include_paths() -> list:
     of the caller's stack alive, with its locals (the caller's process groups, a Gloo group's
     worker threads among them), until the next full collection, often the interpreter's
     last, where such a thread aborted the process (``flagos_shm._launch.worker_teardown``)."""
-    include = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "include")
+    include = os.path.join(_torch_dir(), "include")
     return [include, os.path.join(include, "torch", "csrc", "api", "include")]
 
 
 def library_paths() -> list:
     """The directory of torch's libraries: ``torch.utils.cpp_extension.library_paths()`` for
     a CPU build, without importing that module (:func:`include_paths`)."""
-    return [os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "lib")]
+    return [os.path.join(_torch_dir(), "lib")]
 
 
 def _check_headers(what: str, headers: tuple, python_module: bool) -> None:
