@@ -36,8 +36,9 @@
 //!   before any step orders them.
 //! - `aborted`: SeqCst compare-exchange (the first aborter wins), Acquire reads.
 //! - `left`: Release store in [`leave`], Acquire loads. A rank leaves only after its last
-//!   arrival, so a waiter that sees `left` and *then* reads `arrived` sees every step the
-//!   rank made: `check_stop` reads them in that order before it reports a rank as gone.
+//!   arrival, so a waiter that finds `left` set and *then* reads `arrived` sees every step
+//!   the rank made: the [`Waiter`] looks at the arrivals once more after [`check_stop`]
+//!   reports a rank gone, so a rank that made the call and left at once is not reported.
 //!
 //! - `wake`, `sleepers`: the [`Doorbell`] protocol ("Sleeping and waking" in
 //!   `crate::shm::wait`), which keeps a sleeper from sleeping through an arrival or an
@@ -201,25 +202,17 @@ fn check_stop(seg: &Segment, step: u64, ctx: &WaitCtx) -> Result<()> {
     check_counters(seg, step, ctx)?;
     let head = |m: &[usize]| format!("{} #{} (step {step})", ctx.what, ctx.seq) + &format!(": ranks {m:?} did not arrive");
     let m = missing(seg, step);
-    // A rank found gone (exited, or closed the group) counts as missing only if its
-    // counter, read *after* that finding, is still below `step`. The `missing` snapshot
-    // above may be stale by then: the rank may have arrived, finished the call and left in
-    // between (it can, once every rank, this one included, has arrived). Its arrival
-    // precedes its leaving in its program order; the Release store of `left` and our
-    // Acquire load of it carry that order over, and a process's stores are visible before
-    // its exit is. Reading the counter first would report a rank that made the call.
-    let not_arrived = |r: usize| seg.ctrl(r).arrived.load(Ordering::Acquire) < step;
     let dead: Vec<String> = m
         .iter()
         .filter_map(|&r| {
             let pid = seg.ctrl(r).pid.load(Ordering::Relaxed);
-            (pid_dead(pid) && not_arrived(r)).then(|| format!("rank {r} (pid {pid})"))
+            pid_dead(pid).then(|| format!("rank {r} (pid {pid})"))
         })
         .collect();
     if !dead.is_empty() {
         return Err(Error::PeerDied(format!("{}; {} exited", head(&m), dead.join(", "))));
     }
-    let left: Vec<usize> = m.iter().copied().filter(|&r| has_left(seg, r) && not_arrived(r)).collect();
+    let left: Vec<usize> = m.iter().copied().filter(|&r| has_left(seg, r)).collect();
     // A rank that aborted the group and then closed it: its abort is the cause (below).
     if !left.is_empty() && !aborted_by(seg).is_some_and(|a| left.contains(&a)) {
         let gone: Vec<String> = left.iter().map(|&r| format!("rank {r} (pid {})", pid_of(seg, r))).collect();

@@ -297,16 +297,11 @@ impl Channel {
         Ok(())
     }
 
-    /// Waits on ring `d` until `cond()` holds (see the module docs for how).
+    /// Waits on ring `d` until `cond()` holds (see the module docs for how). A peer that
+    /// closed (or exited) right after publishing what we wait for is not reported: the
+    /// [`Waiter`] looks at `cond` once more after a failed check.
     fn wait_for(&self, d: usize, w: &Wait, cond: impl Fn() -> bool) -> Result<()> {
-        if cond() {
-            return Ok(());
-        }
-        // A peer that closed (or exited) right after publishing what we wait for: its stores
-        // came before the flag we saw (Acquire), so look once more before failing.
-        let stop = || self.check_stop(w).or_else(|e| if cond() { Ok(()) } else { Err(e) });
-        stop()?;
-        Waiter::new(self.doorbell(d), w.deadline).until(&cond, stop, || false)
+        Waiter::new(self.doorbell(d), w.deadline).check_first().until(cond, || self.check_stop(w), || false)
     }
 
     fn ready(&self) -> Result<()> {

@@ -52,12 +52,13 @@ pub(crate) struct Waiter<'a> {
     bell: Doorbell<'a>,
     deadline: Instant,
     spin: bool,
+    check_first: bool,
 }
 
 impl<'a> Waiter<'a> {
     /// A wait that sleeps on `bell` and whose sleeps end by `deadline`.
     pub fn new(bell: Doorbell<'a>, deadline: Instant) -> Self {
-        Waiter { bell, deadline, spin: true }
+        Waiter { bell, deadline, spin: true, check_first: false }
     }
 
     /// Skips the spin phase when `skip` (a process the wait needs last ran on this CPU:
@@ -67,16 +68,33 @@ impl<'a> Waiter<'a> {
         self
     }
 
+    /// Also runs the checks once before spinning (after a first look at `done()`), for a
+    /// wait that should fail at once on what they find (a channel already closed).
+    pub fn check_first(mut self) -> Self {
+        self.check_first = true;
+        self
+    }
+
     /// Waits until `done()` holds. Before each sleep slice it runs `stop()`, whose error
     /// ends the wait: `stop` must fail once the deadline has passed (each caller names its
     /// wait in that error), and it is where the abort flags and peer liveness are checked.
     /// `skip()` true at the sleeper's re-check means: do not sleep this slice (a change that
     /// bumped the word before our snapshot, such as an abort, which `stop` reports next).
     ///
+    /// An error of `stop` ends the wait only if `done()` still does not hold when looked
+    /// at *after* it. A peer may publish what we wait for and then go (close its end,
+    /// leave the group, exit) between our last look and `stop`'s finding; its stores came
+    /// before the flag `stop` read with Acquire (a process's, before its exit), so the look
+    /// after sees them, and the peer that did its part is not reported as gone.
+    ///
     /// Errors: whatever `stop` returns.
     pub fn until(&self, done: impl Fn() -> bool, mut stop: impl FnMut() -> Result<()>, skip: impl Fn() -> bool) -> Result<()> {
         if done() {
             return Ok(());
+        }
+        let mut stop = || stop().or_else(|e| if done() { Ok(()) } else { Err(e) });
+        if self.check_first {
+            stop()?;
         }
         let start = Instant::now();
         if self.spin {
@@ -268,6 +286,33 @@ mod tests {
         peer.join().unwrap();
         assert!(!s.lost.load(Ordering::SeqCst), "a sleep ran to its timeout although the condition had changed");
         assert_eq!(s.sleepers.load(Ordering::SeqCst), 0);
+    }
+
+    /// A failure found after the condition came to hold (a peer that published, then
+    /// left) does not end the wait with an error: the condition is looked at once more.
+    /// Here `stop` itself makes the change before it fails, the interleaving at its worst;
+    /// a failure with the condition still unmet is returned, with or without `check_first`.
+    #[test]
+    fn a_failure_found_after_the_condition_came_to_hold_is_not_reported() {
+        let (word, sleepers, flag) = (AtomicU32::new(0), AtomicU32::new(0), AtomicBool::new(false));
+        let bell = || Doorbell { word: &word, sleepers: &sleepers };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for first in [false, true] {
+            flag.store(false, Ordering::SeqCst);
+            let published_then_gone = || {
+                flag.store(true, Ordering::Release);
+                Err(crate::error::Error::PeerDied("the peer left".into()))
+            };
+            let w = Waiter::new(bell(), deadline).skip_spin(true);
+            let w = if first { w.check_first() } else { w };
+            w.until(|| flag.load(Ordering::Acquire), published_then_gone, || false).unwrap();
+            flag.store(false, Ordering::SeqCst);
+            let gone = || Err(crate::error::Error::PeerDied("the peer left".into()));
+            let w = Waiter::new(bell(), deadline).skip_spin(true);
+            let w = if first { w.check_first() } else { w };
+            let e = w.until(|| flag.load(Ordering::Acquire), gone, || false).unwrap_err();
+            assert!(matches!(e, crate::error::Error::PeerDied(_)), "{e}");
+        }
     }
 
     /// A [`Waiter`] returns as soon as the condition holds, and otherwise ends with its
