@@ -176,7 +176,8 @@ impl Communicator {
             }
             // Its block is read again after the liveness check: a rank that attached, got
             // past this loop (every rank, this one too, had attached) and exited after our
-            // `unattached` snapshot did attach (sync::check_stop reads in the same order).
+            // `unattached` snapshot did attach (the core's waits look again likewise:
+            // `shm::wait::Waiter::until`).
             let gone: Vec<String> = sync::unattached(&seg)
                 .into_iter()
                 .filter_map(|r| {

@@ -31,7 +31,7 @@
 //! which the group line (`wake`, `sleepers`) and each point-to-point ring (`bell`,
 //! `sleepers`) use.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
@@ -87,12 +87,30 @@ impl<'a> Waiter<'a> {
     /// before the flag `stop` read with Acquire (a process's, before its exit), so the look
     /// after sees them, and the peer that did its part is not reported as gone.
     ///
+    /// Except `Interrupted`: the interrupt hook has taken the signal by then, so that
+    /// error is always returned.
+    ///
     /// Errors: whatever `stop` returns.
     pub fn until(&self, done: impl Fn() -> bool, mut stop: impl FnMut() -> Result<()>, skip: impl Fn() -> bool) -> Result<()> {
         if done() {
             return Ok(());
         }
-        let mut stop = || stop().or_else(|e| if done() { Ok(()) } else { Err(e) });
+        let mut stop = || match stop() {
+            // The interrupt hook has consumed the signal (its handler's exception waits to be
+            // raised by the caller): the error must reach the caller even if `done()` holds.
+            Err(e @ Error::Interrupted(_)) => Err(e),
+            Err(e) => {
+                // Orders the check's loads (a flag, or the liveness syscall, which need not
+                // be a barrier) before the look at `done()` on weakly ordered CPUs too.
+                fence(Ordering::SeqCst);
+                if done() {
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            }
+            Ok(()) => Ok(()),
+        };
         if self.check_first {
             stop()?;
         }
@@ -312,6 +330,17 @@ mod tests {
             let w = if first { w.check_first() } else { w };
             let e = w.until(|| flag.load(Ordering::Acquire), gone, || false).unwrap_err();
             assert!(matches!(e, crate::error::Error::PeerDied(_)), "{e}");
+            // An interrupt (the hook took a Ctrl-C) is returned even though the condition
+            // came to hold meanwhile: its signal would be lost otherwise.
+            flag.store(false, Ordering::SeqCst);
+            let published_then_interrupted = || {
+                flag.store(true, Ordering::Release);
+                Err(crate::error::Error::Interrupted("allreduce #0".into()))
+            };
+            let w = Waiter::new(bell(), deadline).skip_spin(true);
+            let w = if first { w.check_first() } else { w };
+            let e = w.until(|| flag.load(Ordering::Acquire), published_then_interrupted, || false).unwrap_err();
+            assert!(matches!(e, crate::error::Error::Interrupted(_)), "{e}");
         }
     }
 
