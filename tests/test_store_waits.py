@@ -4,8 +4,9 @@ is still missing when it looks again, after that finding.
 The rank may have published the last key and exited between the wait's own check of the
 keys and its liveness check (its keys precede its exit); that is no failure. The same
 order serves ``monitored_barrier``'s non-zero ranks (rank 0 releases, then exits) and
-mirrors the core's ``sync::check_stop`` (a peer that arrived, finished the call and closed
-the group). In-process: a ``HashStore`` and the process id of a child that has exited.
+mirrors the core's waits (``shm::wait::Waiter::until``: a peer that arrived, finished the
+call and closed the group). Likewise a wait whose keys come in at its deadline does not
+time out. In-process: a ``HashStore`` and the process id of a child that has exited.
 """
 
 from __future__ import annotations
@@ -70,3 +71,10 @@ def test_published_reports_an_unreachable_store_as_not_published():
     assert rendezvous.published(store, ["k"]) is True
     assert rendezvous.published(store, ["k", "absent"]) is False
     assert rendezvous.published(Unreachable(), ["k"]) is False
+
+
+def test_keys_that_come_in_at_the_deadline_end_the_wait_without_error():
+    keys = ["base/a"]
+    store = PublishesOnFirstCheck(keys)
+    rendezvous._store_wait(store, keys, time.monotonic() - 1, "waiting for a", lambda: {})
+    assert store.inner.check(keys)

@@ -132,6 +132,8 @@ def _store_wait(store: dist.Store, keys, deadline: float, what: str, watch: Call
         left = deadline - time.monotonic()
         if left <= 0:
             missing = [k for k in keys if not store.check([k])]
+            if not missing:  # they came in since the loop's check: no timeout after all
+                return
             raise RuntimeError(f"{what}: not there within the group's timeout (missing {', '.join(missing)})")
         time.sleep(min(pause, left))
         pause = min(2 * pause, _POLL_MAX_S)
