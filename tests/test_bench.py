@@ -99,6 +99,21 @@ def test_bad_arguments_name_the_flag(argv, flag):
         bench.main(argv)
 
 
+def test_only_global_rank_0_and_the_launcher_probe_the_outputs(monkeypatch):
+    """Rank 0 writes the reports; other ranks, which start at the same moment, leave the
+    paths alone (two probes of one path raced: one unlinked the file under the other)."""
+    argv = ["--json", "/proc/flagos_shm_nowhere.json"]
+    monkeypatch.setenv("RANK", "1")
+    assert bench.plan_from_args(bench.build_parser().parse_args(argv)).sizes
+    for rank in ("0", None):
+        if rank is None:
+            monkeypatch.delenv("RANK")
+        else:
+            monkeypatch.setenv("RANK", rank)
+        with pytest.raises(SystemExit, match="--json"):
+            bench.plan_from_args(bench.build_parser().parse_args(argv))
+
+
 class _Tty(io.StringIO):
     def isatty(self):
         return True

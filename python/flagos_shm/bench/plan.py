@@ -132,7 +132,8 @@ def plan_from_args(args) -> Plan:
         raise SystemExit(f"--nproc must be >= 1, got {args.nproc}")
     if not 1 <= args.nodes <= args.nproc:
         raise SystemExit(f"--nodes must be between 1 and --nproc ({args.nproc}), got {args.nodes}")
-    _check_writable(args)
+    if os.environ.get("RANK", "0") == "0":  # the launcher (no RANK yet) or global rank 0
+        _check_writable(args)
     for flag in ("timeout", "job_timeout"):
         if not getattr(args, flag) > 0:
             raise SystemExit(f"--{flag.replace('_', '-')} must be > 0 seconds")
@@ -145,7 +146,12 @@ def plan_from_args(args) -> Plan:
 
 def _check_writable(args) -> None:
     """Make the output files' directories and check that they can be written to, so that a
-    bad path stops the run before it starts, not after it (SystemExit naming the flag)."""
+    bad path stops the run before it starts, not after it (SystemExit naming the flag).
+
+    Only in the process that writes them, global rank 0 (the launcher checks before it
+    starts the ranks): the ranks start together, and two probing one path at once could
+    unlink the probe file under each other (``FileNotFoundError`` on a rank, as a CI run
+    of the benchmark's tests on torch 2.10 saw)."""
     for flag, path in zip(("--json", "--plot"), output_paths(args)):
         if path is None:
             continue
