@@ -319,28 +319,28 @@ mod tests {
             flag.store(false, Ordering::SeqCst);
             let published_then_gone = || {
                 flag.store(true, Ordering::Release);
-                Err(crate::error::Error::PeerDied("the peer left".into()))
+                Err(Error::PeerDied("the peer left".into()))
             };
             let w = Waiter::new(bell(), deadline).skip_spin(true);
             let w = if first { w.check_first() } else { w };
             w.until(|| flag.load(Ordering::Acquire), published_then_gone, || false).unwrap();
             flag.store(false, Ordering::SeqCst);
-            let gone = || Err(crate::error::Error::PeerDied("the peer left".into()));
+            let gone = || Err(Error::PeerDied("the peer left".into()));
             let w = Waiter::new(bell(), deadline).skip_spin(true);
             let w = if first { w.check_first() } else { w };
             let e = w.until(|| flag.load(Ordering::Acquire), gone, || false).unwrap_err();
-            assert!(matches!(e, crate::error::Error::PeerDied(_)), "{e}");
+            assert!(matches!(e, Error::PeerDied(_)), "{e}");
             // An interrupt (the hook took a Ctrl-C) is returned even though the condition
             // came to hold meanwhile: its signal would be lost otherwise.
             flag.store(false, Ordering::SeqCst);
             let published_then_interrupted = || {
                 flag.store(true, Ordering::Release);
-                Err(crate::error::Error::Interrupted("allreduce #0".into()))
+                Err(Error::Interrupted("allreduce #0".into()))
             };
             let w = Waiter::new(bell(), deadline).skip_spin(true);
             let w = if first { w.check_first() } else { w };
             let e = w.until(|| flag.load(Ordering::Acquire), published_then_interrupted, || false).unwrap_err();
-            assert!(matches!(e, crate::error::Error::Interrupted(_)), "{e}");
+            assert!(matches!(e, Error::Interrupted(_)), "{e}");
         }
     }
 

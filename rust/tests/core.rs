@@ -1158,12 +1158,12 @@ fn a_peer_that_closed_the_group_is_reported_at_once() {
 
 /// A rank that makes the group's last call and then closes the group is never reported as
 /// having closed it without making the call: a peer still waiting in that call's step
-/// may have read its counter just before it arrived (`sync::check_stop` reads the closed
-/// flag first, then the counter). Many short-lived groups of 3 ranks on this machine's
-/// cores, where ranks get descheduled between those two reads; the two late ranks
-/// arrive after the first has begun to sleep, so its checks run. With the counter read
-/// first this test failed in 10 runs of 10 (Intel Xeon 2-vCPU VM), and the `coll` tests
-/// in about one run of 25.
+/// may have read its counter just before it arrived, and then found it gone (the wait
+/// looks at the counters once more after such a finding: `shm::wait::Waiter::until`).
+/// Many short-lived groups of 3 ranks on this machine's cores, where ranks get
+/// descheduled between those reads; the two late ranks arrive after the first has begun
+/// to sleep, so its checks run. Without that second look this test failed in 10 runs of
+/// 10 (Intel Xeon 2-vCPU VM), and the `coll` tests in about one run of 25.
 #[test]
 fn the_last_call_before_a_rank_closes_the_group_is_never_reported_as_missed() {
     for round in 0..1000u64 {
