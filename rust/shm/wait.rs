@@ -313,33 +313,29 @@ mod tests {
     #[test]
     fn a_failure_found_after_the_condition_came_to_hold_is_not_reported() {
         let (word, sleepers, flag) = (AtomicU32::new(0), AtomicU32::new(0), AtomicBool::new(false));
-        let bell = || Doorbell { word: &word, sleepers: &sleepers };
         let deadline = Instant::now() + Duration::from_secs(20);
-        for first in [false, true] {
+        // One wait for `flag`, from false, whose check fails with `err`, after setting the
+        // flag first when `publish`.
+        let wait = |first: bool, publish: bool, err: fn() -> Error| {
             flag.store(false, Ordering::SeqCst);
-            let published_then_gone = || {
-                flag.store(true, Ordering::Release);
-                Err(Error::PeerDied("the peer left".into()))
+            let stop = || {
+                if publish {
+                    flag.store(true, Ordering::Release);
+                }
+                Err(err())
             };
-            let w = Waiter::new(bell(), deadline).skip_spin(true);
+            let w = Waiter::new(Doorbell { word: &word, sleepers: &sleepers }, deadline).skip_spin(true);
             let w = if first { w.check_first() } else { w };
-            w.until(|| flag.load(Ordering::Acquire), published_then_gone, || false).unwrap();
-            flag.store(false, Ordering::SeqCst);
-            let gone = || Err(Error::PeerDied("the peer left".into()));
-            let w = Waiter::new(bell(), deadline).skip_spin(true);
-            let w = if first { w.check_first() } else { w };
-            let e = w.until(|| flag.load(Ordering::Acquire), gone, || false).unwrap_err();
+            w.until(|| flag.load(Ordering::Acquire), stop, || false)
+        };
+        let gone = || Error::PeerDied("the peer left".into());
+        for first in [false, true] {
+            wait(first, true, gone).unwrap();
+            let e = wait(first, false, gone).unwrap_err();
             assert!(matches!(e, Error::PeerDied(_)), "{e}");
             // An interrupt (the hook took a Ctrl-C) is returned even though the condition
             // came to hold meanwhile: its signal would be lost otherwise.
-            flag.store(false, Ordering::SeqCst);
-            let published_then_interrupted = || {
-                flag.store(true, Ordering::Release);
-                Err(Error::Interrupted("allreduce #0".into()))
-            };
-            let w = Waiter::new(bell(), deadline).skip_spin(true);
-            let w = if first { w.check_first() } else { w };
-            let e = w.until(|| flag.load(Ordering::Acquire), published_then_interrupted, || false).unwrap_err();
+            let e = wait(first, true, || Error::Interrupted("allreduce #0".into())).unwrap_err();
             assert!(matches!(e, Error::Interrupted(_)), "{e}");
         }
     }
