@@ -47,6 +47,7 @@ _STORE_ERROR = "error:"
 _OK = "ok"
 
 _POLL_FIRST_S, _POLL_MAX_S = 0.001, 0.01  # store polling while a group is set up: 1 ms, backing off to 10 ms
+_SETTLE_S = 0.05  # a key missing after a watched process exited is looked for again this much later (published)
 #: A rank whose set-up failed waits at most this long (seconds) for its peers to be done
 #: with the store before it raises (:func:`leave_together`).
 LEAVE_WAIT_S = 2.0
@@ -139,15 +140,22 @@ def _store_wait(store: dist.Store, keys, deadline: float, what: str, watch: Call
         pause = min(2 * pause, _POLL_MAX_S)
 
 
-def published(store: dist.Store, keys: list) -> bool:
+def published(store: dist.Store, keys: list, settle_s: float = _SETTLE_S) -> bool:
     """Whether every key of ``keys`` is in ``store``; False if the store cannot be reached.
 
     For a wait that found a watched process gone: looked at once more *after* that
     finding, the keys tell whether the rank published what was waited for and then exited
     (its keys precede its exit), which is no failure; the wait's own check, made before,
-    may predate them. The store may have gone with the rank (``TCPStore`` on rank 0):
-    then the exit is what to report."""
+    may predate them. ``TCPStore``'s ``set`` returns without a reply from the server,
+    which serves its clients' sockets in no set order, so a key the rank sent just before
+    it exited may reach the server after this look: a key still missing is looked for once
+    more ``settle_s`` seconds later (0.05 s by default: a death is reported that much
+    later, a published key never as missing). The store may have gone with the rank
+    (``TCPStore`` on rank 0): then the exit is what to report."""
     try:
+        if store.check(keys):
+            return True
+        time.sleep(settle_s)
         return bool(store.check(keys))
     except Exception:  # noqa: BLE001  the store went with its host: report the exit
         return False

@@ -37,7 +37,8 @@ class Barrier(CollectiveBase):
         not waited for where this rank can see it (same machine and PID namespace,
         ``rendezvous.watchable``; ranks on other machines are waited for until the timeout):
         rank 0 fails as soon as it sees one missing (with ``wait_all_ranks``, once every rank
-        still missing has exited or the timeout has passed), and the other ranks as soon as
+        still missing has exited or the timeout has passed; a rank that arrived and then
+        exited has arrived), and the other ranks as soon as
         rank 0 has exited, as Gloo's closed connections make it fail (Gloo: 0.5 s after the
         death; before, flagos_shm waited out the whole timeout). Returns once every rank has
         arrived
@@ -95,6 +96,12 @@ class Barrier(CollectiveBase):
             if not missing:
                 break
             dead = [r for r in missing if exited(r)]
+            if dead:  # looked for again after finding them gone: their arrival precedes their exit
+                arrived = [r for r in dead if published(store, [f"{base}/arrived/{r}"])]
+                missing = [r for r in missing if r not in arrived]
+                dead = [r for r in dead if r not in arrived]
+                if not missing:
+                    break
             timed_out = time.monotonic() > deadline
             if timed_out or (dead and (not wait_all_ranks or len(dead) == len(missing))):
                 store.set(f"{base}/failed", "1")

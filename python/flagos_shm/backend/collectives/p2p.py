@@ -42,6 +42,7 @@ from ...work import ShmWork
 from .. import options
 from ...config import p2p_geometry, segment_config
 from ..hierarchy import p2p as hierarchy_p2p
+from ..rendezvous import published
 from .base import CollectiveBase
 
 __all__ = ["PointToPoint", "P2PWork"]
@@ -158,7 +159,7 @@ class _Mailbox:
             pause = 0.0005
             while not self.store.check([key]):
                 pid = self.pids[peer] if peer < len(self.pids) else 0
-                if pid and _core.process_exited(pid):
+                if pid and _core.process_exited(pid) and not published(self.store, [key]):
                     raise RuntimeError(f"connecting to {self.peer_name(peer)}: the peer exited")
                 if self.comm is not None and self.comm.peer_left(peer):
                     raise RuntimeError(f"connecting to {self.peer_name(peer)}: the peer closed the group "
