@@ -338,6 +338,38 @@ def rank_collectives_from_callbacks(device: str) -> dict:
     return res
 
 
+def rank_callbacks_issue_while_calls_wait(rounds: int) -> dict:
+    """Two ways a completion callback that issues a collective met a call holding the
+    group's issue lock, which hung both ranks forever before ``_CallGate``:
+    - *nested*: two async allreduces, each with a ``.then`` callback that issues another;
+      the first callback's call runs the queued second call (and so its callback) on the
+      same thread, inside the first call's issue;
+    - *beside a synchronous call*: a ``.then`` callback (on the progress thread) issues an
+      allreduce while the main thread's synchronous allreduce waits for that callback.
+    Every tensor holds ``rank + 1`` (so the result is ``n * (n + 1) / 2`` whichever calls a
+    callback's call meets on the other ranks: whether a callback runs at ``.then`` or later
+    differs between ranks)."""
+    rank = dist.get_rank()
+    results = []
+    for _ in range(rounds):
+        a, b, c, d, x, y, z = (torch.full((1000,), float(rank + 1)) for _ in range(7))
+        works = []
+        f1 = dist.all_reduce(a, async_op=True).get_future().then(
+            lambda fut: works.append(dist.all_reduce(c, async_op=True)))
+        f2 = dist.all_reduce(b, async_op=True).get_future().then(
+            lambda fut: works.append(dist.all_reduce(d, async_op=True)))
+        f1.wait()
+        f2.wait()
+        f3 = dist.all_reduce(x, async_op=True).get_future().then(
+            lambda fut: works.append(dist.all_reduce(z, async_op=True)))
+        dist.all_reduce(y)
+        f3.wait()
+        for w in works:
+            w.wait()
+        results.append(sorted({float(t[0]) for t in (a, b, c, d, x, y, z)} | {float(t.min()) for t in (c, d, z)}))
+    return {"values": results, "issued": len(works)}
+
+
 def rank_powersgd(steps: int) -> dict:
     """DDP with torch's PowerSGD comm hook (its callbacks issue allreduces and wait for their
     futures), trained once over the world group (callbacks on its progress thread) and once
@@ -494,6 +526,13 @@ def check_collectives_from_callbacks(results: list, n: int) -> None:
         assert res["waits"] == [2 * (tri + 10 * n)] * 3, res
         assert res["again"] == res["f"] == [n * (tri + 5 * n)] * 3, res
         assert res["later"] == [float(n)] * 2, res
+
+
+def test_callbacks_that_issue_collectives_do_not_hang_calls_under_way(worlds):
+    n = 2
+    expected = [n * (n + 1) / 2]
+    for res in worlds(n).run(rank_callbacks_issue_while_calls_wait, 20, timeout=60):
+        assert res["values"] == [expected] * 20 and res["issued"] == 3, res
 
 
 def test_ddp_powersgd_hook_trains_as_with_inline_calls(worlds):

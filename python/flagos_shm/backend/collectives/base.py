@@ -127,6 +127,46 @@ class _Validation:
         return False
 
 
+class _CallGate:
+    """Admits this rank's core calls on a group until the group is shut down, and tells the
+    shutdown whether one is under way (in another thread: it is aborted first).
+
+    Its lock is held to admit and to count, never across a call. A core call can block
+    until the group's earlier asynchronous calls have finished, their completion callbacks
+    included, and a callback may issue a collective of the group itself: on the progress
+    thread, or on this very thread when the core runs the queued calls here (a call made
+    from a callback, as torch's PowerSGD hook makes). A lock held across the call deadlocked
+    both ways (found 2026-12-07: two ``async_op`` allreduces whose ``.then`` callbacks issue
+    allreduces; a ``.then`` callback that issues one while the main thread makes a
+    synchronous call). The calls need no lock for their order: the core runs them one at a
+    time in issue order (``Progress::run``, ``Progress::submit``; a group spanning nodes:
+    ``hierarchy.worker``)."""
+
+    __slots__ = ("_lock", "_calls", "_closed")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._calls = 0
+        self._closed = False
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the process group has been shut down")
+            self._calls += 1
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        with self._lock:
+            self._calls -= 1
+        return False
+
+    def close(self) -> bool:
+        """Admit no more calls; return whether one is under way."""
+        with self._lock:
+            self._closed = True
+            return self._calls > 0
+
+
 def _tensors(items, out: list) -> list:
     """Append every tensor of ``items`` (a tensor or nested lists/tuples of them) to ``out``."""
     if isinstance(items, torch.Tensor):
@@ -204,7 +244,8 @@ class CollectiveBase:
         self._rank, self._world_size = rank, world_size
         self._group_name = group_name
         self._store = store
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # this object's own lazily made parts (the p2p mailbox)
+        self._gate = _CallGate()
         self._closed = False
         self._async = config.async_enabled()
         self._pending: list = []  # (work, extents) of async works that write outputs back later
@@ -288,9 +329,7 @@ class CollectiveBase:
         instead of holding the segment until the timeout."""
         if not self._closed:
             self._closed = True
-            if self._lock.acquire(blocking=False):  # no collective in flight on this rank
-                self._lock.release()
-            else:
+            if self._gate.close():  # a collective under way on this rank
                 self._comm.abort()
             self._comm.close()
 
@@ -452,9 +491,7 @@ class CollectiveBase:
                 work._complete(None if error is None else self._error(name, error))
 
             try:
-                with self._lock:
-                    if self._closed:
-                        raise RuntimeError("the process group has been shut down")
+                with self._gate:
                     ticket = issue(done)
             except Exception as exc:  # not queued: the callback never runs
                 work._complete(self._error(name, exc))
@@ -462,9 +499,7 @@ class CollectiveBase:
             return work
         error = None
         try:
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("the process group has been shut down")
+            with self._gate:
                 issue(None)
         except Exception as exc:
             error = self._error(name, exc)
@@ -479,9 +514,7 @@ class CollectiveBase:
         """Run ``calls`` on this thread (after every earlier queued call of the group);
         return the error (with the group in its message), or ``None``."""
         try:
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("the process group has been shut down")
+            with self._gate:
                 for call in calls:
                     call(None)
                 if after is not None:
@@ -538,15 +571,13 @@ class CollectiveBase:
             self._pending.append((work, _extents(_tensors(outputs, []))))
         else:
             self._track_inflight(work, _tensors(outputs, []))
-        with self._lock:
-            for i, call in enumerate(calls):
-                try:
-                    if self._closed:
-                        raise RuntimeError("the process group has been shut down")
+        for i, call in enumerate(calls):
+            try:
+                with self._gate:
                     tickets[0] = max(tickets[0], call(done) or 0)
-                except Exception as exc:  # not queued: this and the later calls never report
-                    done(exc, len(calls) - i)
-                    break
+            except Exception as exc:  # not queued: this and the later calls never report
+                done(exc, len(calls) - i)
+                break
         return work
 
     def _error(self, name: str, exc: Exception) -> Exception:

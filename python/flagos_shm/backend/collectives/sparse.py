@@ -66,9 +66,7 @@ class SparseReduction(CollectiveBase):
         src = staging.stage(t.contiguous(), "sparse part")
         out = torch.empty((self._world_size, *t.shape), dtype=t.dtype)
         dst = staging.stage(out, "sparse part")
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the process group has been shut down")
+        with self._gate:
             self._comm.allgather(src.ptr, src.nbytes, dst.ptr, dst.nbytes, src.numel, src.dtype, timeout_s, None)
         return out
 
