@@ -233,3 +233,31 @@ def test_create_use_destroy_cycles_leave_nothing(worlds, private_shm_dir):
         assert res["left"] == [] and res["maps_after"] == res["maps_before"] and res["fd_growth"] <= 0, res
         assert res["rss_growth"] < 4 << 20, res
     assert os.listdir(private_shm_dir) == []
+
+
+def rank_p2p_then_destroy_holding_references(shm_dir: str) -> dict:
+    """A group that sent and received point-to-point, destroyed while the caller still holds
+    the group object and the transfers' works (as ``dist.group.WORLD`` or a kept ``Work``
+    can): its mappings, the group's segment and the point-to-point channel, are gone after
+    ``destroy_process_group`` all the same."""
+    rank = dist.get_rank()
+    with faults.env_override(FLAGOS_SHM_DIR=shm_dir):
+        before = set(faults.segment_maps())
+        g = dist.new_group([0, 1], backend="flagos_shm")
+        t = torch.full((10,), float(rank + 1))
+        work = dist.isend(t, 1, group=g) if rank == 0 else dist.irecv(t, 0, group=g)
+        work.wait()
+        during = set(faults.segment_maps()) - before
+        dist.destroy_process_group(g)
+        after = set(faults.segment_maps()) - before
+        kept = (g, work)  # still referenced here
+    dist.barrier()
+    return {"value": t.tolist(), "during": len(during), "after": sorted(after), "kept": len(kept)}
+
+
+def test_destroyed_group_unmaps_its_channels_while_its_objects_live(worlds, private_shm_dir):
+    for res in worlds(2).run(rank_p2p_then_destroy_holding_references, private_shm_dir, timeout=60):
+        assert res["value"] == [1.0] * 10, res
+        assert res["during"] == 2, res  # the group's segment and the pair's channel
+        assert res["after"] == [], res
+    assert os.listdir(private_shm_dir) == []

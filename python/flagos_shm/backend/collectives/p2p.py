@@ -129,6 +129,8 @@ class _Mailbox:
         if chan is not None:
             return chan
         with self.lock:
+            if self.closed:  # a transfer queued before the close: no new channel
+                raise RuntimeError(f"process group {self.group_name!r} has been shut down")
             gate = self.connecting.setdefault(peer, threading.Lock())
         with gate:
             chan = self.channels.get(peer)
@@ -202,7 +204,9 @@ class _Mailbox:
                 return
             self.closed = True
             workers, self.workers = list(self.workers.values()), {}
-            chans = list(self.channels.values())
+            # Let go of the channels: each is unmapped once no transfer holds it any more,
+            # not when the group object goes (a Work or dist.group.WORLD can keep that).
+            chans, self.channels = list(self.channels.values()), {}
             busy = self.inflight > 0
         if abort or busy:
             for chan in chans:
