@@ -148,10 +148,10 @@ def published(store: dist.Store, keys: list, settle_s: float = _SETTLE_S) -> boo
     (its keys precede its exit), which is no failure; the wait's own check, made before,
     may predate them. ``TCPStore``'s ``set`` returns without a reply from the server,
     which serves its clients' sockets in no set order, so a key the rank sent just before
-    it exited may reach the server after this look: a key still missing is looked for once
-    more ``settle_s`` seconds later (0.05 s by default: a death is reported that much
-    later, a published key never as missing). The store may have gone with the rank
-    (``TCPStore`` on rank 0): then the exit is what to report."""
+    it exited may reach the server after this look: a key still missing is looked for
+    once more ``settle_s`` seconds later (0.05 s by default: a death is reported that
+    much later; a key still on its way after that is taken for missing). The store may
+    have gone with the rank (``TCPStore`` on rank 0): then the exit is what to report."""
     try:
         if store.check(keys):
             return True
