@@ -151,6 +151,12 @@ def child_gloo_unextended(rank: int, world_size: int, tmp: str) -> dict:
             res["flagos_error"] = None
         except RuntimeError as exc:
             res["flagos_error"] = str(exc)
+        # A CPU collective before the destroy: Gloo's init is no barrier. A rank whose flagos
+        # call fails locally would otherwise close its sockets while the other is still in
+        # connectFullMesh ("Connection closed by peer", seen once in CI on torch 2.10).
+        t = torch.full((3,), float(rank + 1))
+        dist.all_reduce(t)
+        res["cpu_sum"] = t.tolist()
         return res
     finally:
         dist.destroy_process_group()
@@ -375,6 +381,7 @@ def test_gloo_left_alone_when_switched_off():
         assert res["config"] == "cpu:gloo,cuda:gloo", res
         assert res["kinds"]["cpu"] == "ProcessGroupGloo", res
         assert "No backend type associated with device type flagos" in res["flagos_error"], res
+        assert res["cpu_sum"] == [float(sum(range(1, 3)))] * 3, res
 
 
 def test_per_device_features():
