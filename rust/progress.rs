@@ -24,6 +24,17 @@
 //! Locking: `state` guards the queue and the "a collective is running" flag; `comm` is
 //! held only while a collective runs. Completion callbacks run with neither lock held, so
 //! a callback may submit further work or take other locks (e.g. Python's GIL).
+//!
+//! Calls issued from completion callbacks: every rank must place them at the same position
+//! of the group's sequence, whichever thread runs the callback and whenever. The place is
+//! where NCCL puts them (its futures complete at enqueue, so a `.then` callback runs when
+//! it is attached): right after the calls issued before the job's future was taken
+//! ([`Progress::anchor`], which the c10d adapter calls from `getFuture`), ahead of those
+//! issued after it. So while an anchored job's callback has not returned, other threads
+//! start no job queued after its anchor, and a call the callback issues is queued right
+//! after the anchor (DDP's comm hooks take the future at issue: PowerSGD's callbacks'
+//! allreduces go right after their bucket's, before the next bucket's, on every rank). A
+//! job whose future nobody took runs no user callback and holds nothing back.
 
 use crate::algorithms::{AbortHandle, Communicator};
 use crate::error::{Error, Result};
@@ -59,21 +70,35 @@ struct Job {
     ticket: u64,
     task: Task,
     done: Done,
+    /// Set by [`Progress::anchor`]: the ticket of the last job queued when this one's future
+    /// was taken (this job's own ticket if none was queued after it).
+    anchor: Option<u64>,
+}
+
+/// A job claimed (its task running or done) whose callback has not returned yet.
+struct Open {
+    ticket: u64,
+    /// Order of claiming: callbacks run in this order (see [`State::callbacks_before_done`]).
+    seq: u64,
+    /// The thread that claimed it and runs its callback.
+    thread: std::thread::ThreadId,
+    anchor: Option<u64>,
+    /// How many waits its callback is in, on its own thread, for calls issued after it
+    /// ([`Shared::suspend`]); while any, later callbacks may run as if it had returned.
+    suspended: u32,
 }
 
 struct State {
+    /// Jobs not started yet, in the order they will run (issue order, except that a call
+    /// issued from a callback goes right after the callback's anchor: see the module docs).
     queue: VecDeque<Job>,
     /// Ticket of the next submission (tickets start at 1).
     next_ticket: u64,
-    /// Highest ticket whose completion callback has returned, as have all before it.
-    finished: u64,
-    /// Tickets above `finished` whose callbacks have returned (out of order: only while a
-    /// callback is suspended, see `suspended`).
-    done_above: Vec<u64>,
-    /// Tickets whose completion callbacks are running but wait, on their own thread, for
-    /// calls issued after them (a call made from a callback runs the queue up to it there):
-    /// later callbacks may run meanwhile, as if these had returned.
-    suspended: Vec<u64>,
+    /// Claimed jobs whose callbacks have not returned, in claiming order. A job is queued,
+    /// open, or finished.
+    open: Vec<Open>,
+    /// `seq` of the next claim.
+    next_seq: u64,
     /// A collective (inline or queued) is running or has been claimed.
     busy: bool,
     /// `close` was called: no new submissions; the thread exits once the queue is empty.
@@ -88,27 +113,53 @@ struct State {
 }
 
 impl State {
-    /// Whether job `ticket`'s callback may run: every earlier callback has returned or is
-    /// suspended.
-    fn callbacks_before_done(&self, ticket: u64) -> bool {
-        (self.finished + 1..ticket).all(|k| self.done_above.contains(&k) || self.suspended.contains(&k))
+    /// Whether the job claimed `seq`-th may run its callback: every job claimed before it
+    /// has returned from its callback or is suspended. So callbacks run in the order their
+    /// jobs ran, and a completed work implies the works that ran before it are complete.
+    fn callbacks_before_done(&self, seq: u64) -> bool {
+        self.open.iter().all(|o| o.seq >= seq || o.suspended > 0)
     }
 
-    /// Whether job `ticket`'s callback has returned.
+    /// Whether job `ticket`'s callback has returned (or it never ran: ticket 0).
     fn is_finished(&self, ticket: u64) -> bool {
-        ticket <= self.finished || self.done_above.contains(&ticket)
+        ticket < self.next_ticket && !self.is_queued(ticket) && !self.open.iter().any(|o| o.ticket == ticket)
     }
 
-    /// Records that job `ticket`'s callback has returned.
-    fn finish(&mut self, ticket: u64) {
-        if ticket == self.finished + 1 {
-            self.finished = ticket;
-            while let Some(i) = self.done_above.iter().position(|&k| k == self.finished + 1) {
-                self.done_above.swap_remove(i);
-                self.finished += 1;
-            }
-        } else if ticket > self.finished && !self.done_above.contains(&ticket) {
-            self.done_above.push(ticket);
+    fn is_queued(&self, ticket: u64) -> bool {
+        self.queue.iter().any(|j| j.ticket == ticket)
+    }
+
+    /// Whether thread `me` may start the front job now: nothing runs, and no anchored
+    /// callback of another thread holds it back (it is queued after that callback's anchor).
+    /// After `close` cancelled the queue nothing is held back: those jobs do not run.
+    fn may_claim(&self, me: std::thread::ThreadId) -> bool {
+        !self.busy && (self.cancelled || self.open.iter().all(|o| o.thread == me || o.anchor.is_none_or(|a| self.is_queued(a))))
+    }
+
+    /// Takes the front job for thread `me` (checked by `may_claim`).
+    fn claim(&mut self, me: std::thread::ThreadId) -> Option<(Job, u64)> {
+        let job = self.queue.pop_front()?;
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.busy = true;
+        self.open.push(Open { ticket: job.ticket, seq, thread: me, anchor: job.anchor, suspended: 0 });
+        Some((job, seq))
+    }
+
+    /// Where a job issued now goes in the queue: from the callback of open job `origin`
+    /// with an anchor still queued, right after the anchor; from one whose anchor has
+    /// started, at the front; otherwise (no callback, or no anchor) at the back.
+    fn position(&self, origin: Option<u64>) -> usize {
+        let anchor = origin.and_then(|t| self.open.iter().find(|o| o.ticket == t)).and_then(|o| o.anchor);
+        match anchor {
+            Some(a) => self.queue.iter().position(|j| j.ticket == a).map_or(0, |i| i + 1),
+            None => self.queue.len(),
+        }
+    }
+
+    fn set_suspended(&mut self, ticket: u64, on: bool) {
+        if let Some(o) = self.open.iter_mut().find(|o| o.ticket == ticket) {
+            o.suspended = if on { o.suspended + 1 } else { o.suspended.saturating_sub(1) };
         }
     }
 }
@@ -119,10 +170,7 @@ struct Suspended<'a>(&'a Shared, Option<u64>);
 impl Drop for Suspended<'_> {
     fn drop(&mut self) {
         if let Some(t) = self.1 {
-            let mut st = lock(&self.0.state);
-            if let Some(i) = st.suspended.iter().position(|&k| k == t) {
-                st.suspended.swap_remove(i);
-            }
+            lock(&self.0.state).set_suspended(t, false);
         }
     }
 }
@@ -174,39 +222,50 @@ impl Shared {
             st.busy = false;
             !st.queue.is_empty() || st.closing
         };
+        self.wake(waiting);
+    }
+
+    /// Wakes the waiters on `changed`, and the progress thread too if `thread`.
+    fn wake(&self, thread: bool) {
         self.changed.notify_all();
-        if waiting {
+        if thread {
             self.queued.notify_all();
         }
     }
 
-    /// Runs a claimed job: the task, then (with no lock held) its callback.
+    /// Runs a job claimed (`State::claim`) as the `seq`-th: the task, then (with no lock
+    /// held) its callback.
     ///
     /// The next job's collective may start as soon as this one's has finished (`busy` is
-    /// released first), but callbacks run in ticket order: this one waits until the
-    /// previous jobs' callbacks have returned, or are suspended (they wait, on their own
-    /// thread, for a call issued after them: [`Shared::suspend`]). So a completed work
-    /// implies that every work issued before it on the group is complete too (results
-    /// written back), as on a single device stream, except a work whose callback waits for
-    /// it; and `finished`/`done_above` are exact for [`Progress::help_until`].
-    fn execute(&self, job: Job) {
+    /// released first) unless this job is anchored (module docs), but callbacks run in the
+    /// order the jobs ran: this one waits until the earlier jobs' callbacks have returned,
+    /// or are suspended (they wait, on their own thread, for a call issued after them:
+    /// [`Shared::suspend`]). So a completed work implies that every work that ran before it
+    /// on the group is complete too (results written back), as on a single device stream,
+    /// except a work whose callback waits for it.
+    fn execute(&self, job: Job, seq: u64) {
         let cancelled = lock(&self.state).cancelled;
         let result = if cancelled { Err(Error::Aborted(SHUT_DOWN.into())) } else { self.with_comm(job.task) };
         self.release();
         {
             let mut st = lock(&self.state);
-            while !st.callbacks_before_done(job.ticket) {
+            while !st.callbacks_before_done(seq) {
                 st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
             }
         }
-        /// Records the callback as finished even if it panics, so later ones still run.
+        /// Records the callback as returned even if it panics, so later ones still run.
         struct Finished<'a>(&'a Shared, u64);
         impl Drop for Finished<'_> {
             fn drop(&mut self) {
                 let mut st = lock(&self.0.state);
-                st.finish(self.1);
+                if let Some(i) = st.open.iter().position(|o| o.ticket == self.1) {
+                    st.open.remove(i);
+                }
+                // An anchored callback that returned may let the progress thread start the
+                // jobs it held back.
+                let thread = !st.queue.is_empty() || st.closing;
                 drop(st);
-                self.0.changed.notify_all();
+                self.0.wake(thread);
             }
         }
         let _finished = Finished(self, job.ticket);
@@ -239,7 +298,7 @@ impl Shared {
     fn suspend(&self) -> Suspended<'_> {
         let ticket = self.own_callback();
         if let Some(t) = ticket {
-            lock(&self.state).suspended.push(t);
+            lock(&self.state).set_suspended(t, true);
             self.changed.notify_all();
         }
         Suspended(self, ticket)
@@ -250,18 +309,18 @@ impl Shared {
         if self.batch {
             batch_policy();
         }
+        let me = std::thread::current().id();
         loop {
-            let job = {
+            let (job, seq) = {
                 let mut st = lock(&self.state);
                 loop {
-                    if !st.busy {
-                        if let Some(job) = st.queue.pop_front() {
-                            st.busy = true;
-                            break job;
+                    if st.may_claim(me) {
+                        if let Some(claimed) = st.claim(me) {
+                            break claimed;
                         }
-                        if st.closing {
-                            return;
-                        }
+                    }
+                    if st.closing && st.queue.is_empty() && !st.busy {
+                        return;
                     }
                     st.parked = true;
                     st = self.queued.wait(st).unwrap_or_else(|p| p.into_inner());
@@ -269,7 +328,7 @@ impl Shared {
                     st.wakeups += 1;
                 }
             };
-            self.execute(job);
+            self.execute(job, seq);
         }
     }
 }
@@ -308,9 +367,8 @@ impl Progress {
                 state: Mutex::new(State {
                     queue: VecDeque::new(),
                     next_ticket: 1,
-                    finished: 0,
-                    done_above: Vec::new(),
-                    suspended: Vec::new(),
+                    open: Vec::new(),
+                    next_seq: 0,
                     busy: false,
                     closing: false,
                     cancelled: false,
@@ -328,21 +386,41 @@ impl Progress {
     /// its completion callback included (so a synchronous call that returned implies the
     /// asynchronous ones issued before it are complete). Called from a completion callback,
     /// it does not wait for callbacks (its own has not returned yet); called from one of
-    /// this group's callbacks, it first runs the jobs still queued, in issue order, on the
-    /// calling thread (on the progress thread they could only run after the callback
-    /// returned), their callbacks included, this callback suspended meanwhile.
+    /// this group's callbacks, it runs where a call issued from that callback goes (module
+    /// docs): it first runs, on the calling thread, the jobs still queued up to the
+    /// callback's anchor (all those queued if the job has none), their callbacks included,
+    /// this callback suspended meanwhile.
     ///
     /// Errors: `Aborted` if the communicator is closed; otherwise whatever `f` returns.
     pub fn run<R>(&self, f: impl FnOnce(&mut Communicator) -> Result<R>) -> Result<R> {
-        if self.shared.own_callback().is_some() {
+        if let Some(own) = self.shared.own_callback() {
             let _suspended = self.shared.suspend();
-            while let Some(job) = self.claim_front() {
-                self.shared.execute(job);
+            let me = std::thread::current().id();
+            loop {
+                let claimed = {
+                    let mut st = lock(&self.shared.state);
+                    loop {
+                        if st.may_claim(me) {
+                            break;
+                        }
+                        st = self.shared.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+                    }
+                    if st.position(Some(own)) == 0 {
+                        st.busy = true; // nothing left before this call: run it
+                        None
+                    } else {
+                        st.claim(me)
+                    }
+                };
+                match claimed {
+                    Some((job, seq)) => self.shared.execute(job, seq),
+                    None => break,
+                }
             }
         } else {
             let in_callback = IN_CALLBACK.with(|c| c.get());
             let mut st = lock(&self.shared.state);
-            while st.busy || !st.queue.is_empty() || (!in_callback && st.finished + 1 < st.next_ticket) {
+            while st.busy || !st.queue.is_empty() || (!in_callback && !st.open.is_empty()) {
                 st = self.shared.changed.wait(st).unwrap_or_else(|p| p.into_inner());
             }
             st.busy = true;
@@ -350,17 +428,6 @@ impl Progress {
         let result = self.shared.with_comm(f);
         self.shared.release();
         result
-    }
-
-    /// Waits until nothing runs, then claims the group: the first queued job (returned), or,
-    /// with none queued, the group itself for an inline call (`None`; `busy` set).
-    fn claim_front(&self) -> Option<Job> {
-        let mut st = lock(&self.shared.state);
-        while st.busy {
-            st = self.shared.changed.wait(st).unwrap_or_else(|p| p.into_inner());
-        }
-        st.busy = true;
-        st.queue.pop_front()
     }
 
     /// Whether the calling thread runs one of this group's completion callbacks: a call it
@@ -373,13 +440,18 @@ impl Progress {
     /// Queues `task` and returns its ticket; `done` later receives its result, on the
     /// progress thread (or on a thread in [`Self::help_until`]). If the communicator is
     /// closing, `done` receives `Aborted` at once, on the calling thread (ticket 0).
+    ///
+    /// Issued from one of this group's callbacks, the job is queued where the module docs
+    /// say (after the callback's anchor); otherwise at the back.
     pub fn submit(&self, task: Task, done: Done) -> u64 {
+        let origin = self.shared.own_callback();
         {
             let mut st = lock(&self.shared.state);
             if !st.closing {
                 let ticket = st.next_ticket;
                 st.next_ticket += 1;
-                st.queue.push_back(Job { ticket, task, done });
+                let at = st.position(origin);
+                st.queue.insert(at, Job { ticket, task, done, anchor: None });
                 drop(st);
                 self.ensure_thread();
                 self.shared.changed.notify_all();
@@ -405,16 +477,16 @@ impl Progress {
     /// Returns `false` when it gave up; the job itself goes on.
     pub fn help_until_or(&self, ticket: u64, stop: &dyn Fn() -> bool) -> bool {
         let _suspended = self.shared.suspend();
+        let me = std::thread::current().id();
         loop {
-            let job = {
+            let (job, seq) = {
                 let mut st = lock(&self.shared.state);
                 loop {
                     if st.is_finished(ticket) {
                         return true;
                     }
-                    if !st.busy && st.queue.front().is_some_and(|j| j.ticket <= ticket) {
-                        st.busy = true;
-                        break st.queue.pop_front().expect("front checked");
+                    if st.is_queued(ticket) && st.may_claim(me) {
+                        break st.claim(me).expect("a job is queued");
                     }
                     let (guard, waited) = self.shared.changed.wait_timeout(st, STOP_CHECK).unwrap_or_else(|p| p.into_inner());
                     st = guard;
@@ -427,7 +499,22 @@ impl Progress {
                     }
                 }
             };
-            self.shared.execute(job);
+            self.shared.execute(job, seq);
+        }
+    }
+
+    /// Records that job `ticket`'s future has been taken (c10d `Work::getFuture`), so
+    /// that callbacks may be attached to it: its anchor becomes the last job queued now (its
+    /// own ticket if none is queued after it). See the module docs for what the anchor does.
+    /// Nothing happens if the job's callback has returned already (the future was then
+    /// complete when taken: callbacks attached to it run at once, on the attaching thread).
+    pub fn anchor(&self, ticket: u64) {
+        let mut st = lock(&self.shared.state);
+        let last = st.queue.back().map_or(ticket, |j| j.ticket);
+        if let Some(job) = st.queue.iter_mut().find(|j| j.ticket == ticket) {
+            job.anchor = Some(last);
+        } else if let Some(o) = st.open.iter_mut().find(|o| o.ticket == ticket) {
+            o.anchor = Some(last);
         }
     }
 

@@ -370,7 +370,7 @@ def rank_callbacks_issue_while_calls_wait(rounds: int) -> dict:
     return {"values": results, "issued": len(works)}
 
 
-def rank_powersgd(steps: int) -> dict:
+def rank_powersgd(steps: int, layers: int = 1, bucket_cap_mb: float = 25.0) -> dict:
     """DDP with torch's PowerSGD comm hook (its callbacks issue allreduces and wait for their
     futures), trained once over the world group (callbacks on its progress thread) and once
     over a group whose calls all run inline on the calling thread (``FLAGOS_SHM_ASYNC=0``,
@@ -390,8 +390,9 @@ def rank_powersgd(steps: int) -> dict:
     params = []
     for group in (None, inline):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 3))
-        ddp = DDP(model, process_group=group)
+        hidden = [m for _ in range(layers) for m in (torch.nn.Linear(64, 64), torch.nn.ReLU())]
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), *hidden, torch.nn.Linear(64, 3))
+        ddp = DDP(model, process_group=group, bucket_cap_mb=bucket_cap_mb)
         state = powersgd.PowerSGDState(process_group=group, matrix_approximation_rank=2, start_powerSGD_iter=2,
                                        min_compression_rate=0.5)
         ddp.register_comm_hook(state, powersgd.powerSGD_hook)
@@ -402,9 +403,10 @@ def rank_powersgd(steps: int) -> dict:
             ddp(torch.randn(6, 32)).pow(2).mean().backward()
             opt.step()
         params.append([p.detach().clone() for p in model.parameters()])
+        buckets = len(ddp.reducer._get_zeros_like_grad_buckets()) if hasattr(ddp, "reducer") else 0
         del ddp, state, opt
     dist.destroy_process_group(inline)
-    return {"equal_to_inline": all(torch.equal(x, y) for x, y in zip(*params)),
+    return {"buckets": buckets, "equal_to_inline": all(torch.equal(x, y) for x, y in zip(*params)),
             "moved": not torch.equal(params[0][0], torch.nn.Linear(32, 64).weight)}
 
 
@@ -539,4 +541,14 @@ def test_ddp_powersgd_hook_trains_as_with_inline_calls(worlds):
     # The hook's callbacks wait for futures of calls they issue: this hung before the
     # progress thread ran such calls itself.
     for res in worlds(2).run(rank_powersgd, 4):
+        assert res["equal_to_inline"] and res["moved"], res
+
+
+def test_ddp_powersgd_hook_on_several_buckets_trains_as_with_inline_calls(worlds):
+    # Each bucket's callbacks issue allreduces while the backward pass issues the next
+    # bucket's: the callbacks' calls must take the place they take on the inline group (right
+    # after their bucket's, whose future the hook took before issuing the next bucket's) on
+    # every rank, whichever thread runs them; before, they crossed and ranks disagreed.
+    for res in worlds(2).run(rank_powersgd, 6, 6, 0.02, timeout=120):
+        assert res["buckets"] >= 4, res
         assert res["equal_to_inline"] and res["moved"], res

@@ -302,3 +302,31 @@ def test_device_tensors_on_two_nodes():
     for rank, res in enumerate(results):
         assert res["nodes"] == [[0, 1], [2, 3]], res
         assert not res["bad"], (rank, res["bad"])
+
+
+def callbacks_rank(rank: int, world_size: int, tmp: str) -> dict:
+    """test_async's callbacks that issue collectives, and torch's PowerSGD DDP hook on several
+    buckets, on a group that spans nodes (its calls go through the hierarchy's worker)."""
+    from test_async import rank_callbacks_issue_while_calls_wait, rank_collectives_from_callbacks, rank_powersgd
+
+    init_group(rank, world_size)
+    try:
+        return {"callbacks": rank_collectives_from_callbacks("cpu"),
+                "beside_calls": rank_callbacks_issue_while_calls_wait(5),
+                "powersgd": rank_powersgd(4, 6, 0.02)}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_callbacks_that_issue_collectives_on_two_nodes():
+    """Before, a callback's call waited forever for the worker that was running the callback."""
+    from test_async import check_collectives_from_callbacks
+
+    n = 3
+    results = spawn(callbacks_rank, n, env=GLOO_ENV, timeout=SPAWN_DEADLINE_S,
+                    rank_env={r: {"FLAGOS_SHM_NODE_ID": k} for r, k in enumerate("aab")})
+    check_collectives_from_callbacks([res["callbacks"] for res in results], n)
+    for res in results:
+        assert res["beside_calls"] == {"values": [[n * (n + 1) / 2]] * 5, "issued": 3}, res
+        assert res["powersgd"]["buckets"] >= 4 and res["powersgd"]["equal_to_inline"], res
+        assert res["powersgd"]["moved"], res

@@ -96,6 +96,8 @@ class ShmWork:
             abort the group so that the running collective stops on every rank.
         help: called (no arguments, blocking) by :meth:`wait` without a timeout to finish
             the work on the waiting thread if the progress thread has not started it yet.
+        anchor: called (no arguments) by :meth:`_future_taken`: tells the group that
+            callbacks may be attached to the work's future (``Progress::anchor`` in the core).
     """
 
     # Defaults of a completed, successful work, kept on the class: the common, latency-
@@ -103,6 +105,7 @@ class ShmWork:
     _error: Optional[BaseException] = None
     _abort: Optional[Callable[[], None]] = None
     _help: Optional[Callable[[], None]] = None
+    _anchor: Optional[Callable[[], None]] = None
     _done = _COMPLETED
     _lock = _NO_LOCK
     #: Functions to call with the error (or None) when the work completes; None once it has.
@@ -112,12 +115,12 @@ class ShmWork:
 
     def __init__(self, outputs: list[torch.Tensor], error: Optional[BaseException] = None, *,
                  pending: bool = False, abort: Optional[Callable[[], None]] = None,
-                 help: Optional[Callable[[], None]] = None):
+                 help: Optional[Callable[[], None]] = None, anchor: Optional[Callable[[], None]] = None):
         self._outputs = outputs
         if error is not None:
             self._error = error
         if pending:
-            self._abort, self._help = abort, help
+            self._abort, self._help, self._anchor = abort, help, anchor
             self._done, self._lock = _Latch(), threading.Lock()
             self._callbacks = []
 
@@ -132,6 +135,20 @@ class ShmWork:
                 callbacks.append((fn, args))
                 return
         fn(*args, self._error)
+
+    def _future_taken(self) -> None:
+        """Called by the c10d adapter when the work's future is first taken, while the
+        work is pending: callbacks attached to the future (``then``) may issue collectives
+        when it completes, and the group places those calls right after the calls issued
+        up to now, on every rank alike, as NCCL does (its futures complete at enqueue, so a
+        callback runs as it is attached). Without this, whether a later call went first
+        depended on which thread got there first (torch's PowerSGD hook on several DDP
+        buckets: ranks disagreed)."""
+        if self._anchor is not None and not self._done.is_set():
+            try:
+                self._anchor()
+            except Exception:  # noqa: BLE001  a group closed or not this process's: nothing to order
+                pass
 
     def _complete(self, error: Optional[BaseException] = None) -> None:
         """Mark the work finished (with ``error`` if it failed) and tell its callbacks."""
@@ -243,6 +260,12 @@ class CoalescedWork:
 
         for i, work in enumerate(works):
             work._on_complete(lambda error, i=i: one(i, error))
+
+    def _future_taken(self) -> None:
+        """The batch's future is settled by its last work's completion: that one anchors
+        (:meth:`ShmWork._future_taken`)."""
+        if self._works:
+            self._works[-1]._future_taken()
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         """Wait for every work of the batch (each with ``timeout``); raises the first error."""

@@ -380,6 +380,17 @@ communicator_methods! {
             Err(err.unwrap_or_else(|| PyRuntimeError::new_err("wait_ticket: interrupted")))
         }
 
+        /// Records that the future of the call that returned `ticket` has been taken (c10d
+        /// `Work::getFuture`, which may attach callbacks that issue calls): while its
+        /// callback runs, calls queued after this moment wait, and calls that callback
+        /// issues go before them, on every rank alike (`Progress::anchor`). Ticket 0 or a
+        /// call already finished: nothing to do.
+        fn anchor(&self, ticket: u64) -> PyResult<()> {
+            self.check_owner()?;
+            self.inner.anchor(ticket);
+            Ok(())
+        }
+
         /// Whether group rank `peer` has closed the group (``destroy_process_group``) while
         /// its process lives on; False for a rank out of range and after `close`.
         fn peer_left(&self, peer: usize) -> bool {

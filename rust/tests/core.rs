@@ -639,11 +639,22 @@ fn progress_close_after_abort_fails_queued_jobs() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// When [`callback_issues_a_call`] anchors the first job (`Progress::anchor`, what taking
+/// its future does).
+#[derive(Clone, Copy, PartialEq)]
+enum Anchor {
+    Never,
+    /// Before the second job is queued (a DDP comm hook takes the future at issue).
+    BeforeSecond,
+    /// After the second job is queued.
+    AfterSecond,
+}
+
 /// Two ranks; rank 0 queues two jobs before rank 1 joins any collective (so the second is
 /// queued when the first one's callback runs), and the first one's callback issues a third
 /// call with `issue`. Rank 1 runs three barriers inline. Returns rank 0's log of callbacks
 /// (tickets, "1 returned" when the first callback returns) once every callback has run.
-fn callback_issues_a_call(issue: fn(&flagos_shm::progress::Progress, &std::sync::Mutex<Vec<String>>)) -> Vec<String> {
+fn callback_issues_a_call(anchor: Anchor, issue: fn(&flagos_shm::progress::Progress, &std::sync::Mutex<Vec<String>>)) -> Vec<String> {
     use flagos_shm::progress::Progress;
     use std::sync::{mpsc, Mutex};
     let dir = tmpdir();
@@ -669,6 +680,9 @@ fn callback_issues_a_call(issue: fn(&flagos_shm::progress::Progress, &std::sync:
             l2.lock().unwrap().push("1 returned".to_string());
         }),
     );
+    if anchor == Anchor::BeforeSecond {
+        prog.anchor(first);
+    }
     let l3 = Arc::clone(&log);
     let second = prog.submit(
         Box::new(|c| c.barrier()),
@@ -678,6 +692,9 @@ fn callback_issues_a_call(issue: fn(&flagos_shm::progress::Progress, &std::sync:
         }),
     );
     assert_eq!((first, second), (1, 2));
+    if anchor == Anchor::AfterSecond {
+        prog.anchor(first);
+    }
     go.send(()).unwrap();
     // Not help_until on this thread: the callbacks must get through on the progress thread.
     let t = std::time::Instant::now();
@@ -697,11 +714,27 @@ fn callback_issues_a_call(issue: fn(&flagos_shm::progress::Progress, &std::sync:
 /// that job, its callback included, on its own thread, in issue order, then its call.
 #[test]
 fn progress_sync_call_from_a_callback_runs_the_queued_jobs_first() {
-    let log = callback_issues_a_call(|prog, log| {
-        prog.run(|c| c.barrier()).unwrap();
-        log.lock().unwrap().push("sync call returned".to_string());
-    });
-    assert_eq!(log, ["2", "sync call returned", "1 returned"]);
+    for anchor in [Anchor::Never, Anchor::AfterSecond] {
+        let log = callback_issues_a_call(anchor, sync_call_from_callback);
+        assert_eq!(log, ["2", "sync call returned", "1 returned"]);
+    }
+}
+
+fn sync_call_from_callback(prog: &flagos_shm::progress::Progress, log: &std::sync::Mutex<Vec<String>>) {
+    prog.run(|c| c.barrier()).unwrap();
+    log.lock().unwrap().push("sync call returned".to_string());
+}
+
+/// A job anchored before the second was queued (its future taken at issue, as DDP's comm
+/// hooks do): the call its callback issues goes before the second job, which waits until
+/// the callback has returned, though it was queued first; NCCL's order, whichever thread
+/// runs the callback and whenever.
+#[test]
+fn progress_calls_from_an_anchored_callback_go_before_jobs_queued_after_the_anchor() {
+    let log = callback_issues_a_call(Anchor::BeforeSecond, sync_call_from_callback);
+    assert_eq!(log, ["sync call returned", "1 returned", "2"]);
+    let log = callback_issues_a_call(Anchor::BeforeSecond, queue_and_wait_from_callback);
+    assert_eq!(log, ["3", "1 returned", "2"]);
 }
 
 /// A completion callback that queues a call and waits for it (PowerSGD's DDP hook does,
@@ -709,17 +742,21 @@ fn progress_sync_call_from_a_callback_runs_the_queued_jobs_first() {
 /// the job queued before it, callbacks in ticket order, with its own callback suspended.
 #[test]
 fn progress_call_queued_and_waited_for_in_a_callback_completes() {
-    let log = callback_issues_a_call(|prog, log| {
-        assert!(prog.in_own_callback());
-        let l = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let l2 = Arc::clone(&l);
-        let ticket = prog.submit(Box::new(|c| c.barrier()), Box::new(move |res| l2.lock().unwrap().push(res.is_ok())));
-        assert_eq!(ticket, 3);
-        prog.help_until(ticket);
-        assert_eq!(*l.lock().unwrap(), [true]);
-        log.lock().unwrap().push("3".to_string());
-    });
-    assert_eq!(log, ["2", "3", "1 returned"]);
+    for anchor in [Anchor::Never, Anchor::AfterSecond] {
+        let log = callback_issues_a_call(anchor, queue_and_wait_from_callback);
+        assert_eq!(log, ["2", "3", "1 returned"]);
+    }
+}
+
+fn queue_and_wait_from_callback(prog: &flagos_shm::progress::Progress, log: &std::sync::Mutex<Vec<String>>) {
+    assert!(prog.in_own_callback());
+    let l = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let l2 = Arc::clone(&l);
+    let ticket = prog.submit(Box::new(|c| c.barrier()), Box::new(move |res| l2.lock().unwrap().push(res.is_ok())));
+    assert_eq!(ticket, 3);
+    prog.help_until(ticket);
+    assert_eq!(*l.lock().unwrap(), [true]);
+    log.lock().unwrap().push("3".to_string());
 }
 
 #[test]

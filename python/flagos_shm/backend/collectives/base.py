@@ -485,7 +485,8 @@ class CollectiveBase:
         if async_op is True and self._async:
             comm = self._comm
             ticket = 0
-            work = ShmWork(outputs, pending=True, abort=self.abort, help=lambda: comm.wait_ticket(ticket))
+            work = ShmWork(outputs, pending=True, abort=self.abort, help=lambda: comm.wait_ticket(ticket),
+                           anchor=lambda: comm.anchor(ticket))
 
             def done(error, _inputs=inputs) -> None:  # the core holds done, done the inputs
                 work._complete(None if error is None else self._error(name, error))
@@ -536,7 +537,8 @@ class CollectiveBase:
         """
         tickets = [0]
         comm = self._comm
-        work = ShmWork(outputs, pending=True, abort=self.abort, help=lambda: comm.wait_ticket(tickets[0]))
+        work = ShmWork(outputs, pending=True, abort=self.abort, help=lambda: comm.wait_ticket(tickets[0]),
+                       anchor=lambda: comm.anchor(tickets[0]))
         # The core only holds raw addresses: everything the calls read or write (captured
         # by the ``calls`` closures: inputs, scratch and packed buffers) must stay alive
         # until the last call has finished.

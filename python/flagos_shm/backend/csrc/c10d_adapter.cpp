@@ -214,13 +214,20 @@ class ShmWork : public c10d::Work {
     std::unique_lock<std::mutex> lock(mutex_);
     if (!future_) {
       future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+      auto future = future_;
       if (completed_) {
-        auto future = future_;
         auto error = exception_;
         lock.unlock();
         settle(future, error);
         return future;
       }
+      lock.unlock();
+      // Callbacks may now be attached that issue collectives when the work completes: the
+      // group places those calls here, before any issued later (ShmWork._future_taken).
+      // Not under mutex_: complete() takes it with the GIL held.
+      PythonCall gil;
+      work_.attr("_future_taken")();
+      return future;
     }
     return future_;
   }

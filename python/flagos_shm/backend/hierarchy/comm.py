@@ -155,6 +155,10 @@ class HierarchicalComm(Algorithms, Protocol):
     def wait_ticket(self, ticket: int) -> None:
         self._worker.wait(ticket)
 
+    def anchor(self, ticket: int) -> None:
+        """The future of call ``ticket`` has been taken (:meth:`_Worker.anchor`)."""
+        self._worker.anchor(ticket)
+
     # ---- dispatch ---------------------------------------------------------------------------
 
     def _dispatch(self, fn: Callable[[], None], done) -> int:

@@ -1,46 +1,93 @@
 """The call queue of a :class:`~flagos_shm.backend.hierarchy.HierarchicalComm`: one call at a
 time, in issue order, synchronous calls on the caller's thread, asynchronous ones on the
-worker's own thread."""
+worker's own thread.
+
+Calls issued from completion callbacks (``done``, which completes a work and so runs the
+callbacks attached to its future: torch's PowerSGD DDP hook issues allreduces there) follow
+the rule of the single-node core (``rust/progress.rs``): they run at once, on the callback's
+thread, and take their place right after the calls issued before the work's future was taken
+(:meth:`_Worker.anchor`), ahead of those issued after it, so that every rank runs them in the
+same order whichever thread got there first.
+"""
 
 from __future__ import annotations
 
 import collections
 import logging
 import threading
-from typing import Callable
+from typing import Callable, Optional
 
 _log = logging.getLogger("flagos_shm")
+
+_SHUT_DOWN = "the process group has been shut down"
 
 
 class _Worker:
     """Runs the group's calls one at a time in issue order: queued ones (``submit``, for
     asynchronous calls) on its own thread, synchronous ones (``run``) on the caller's thread
-    once every earlier call has finished."""
+    once every earlier call has finished, its callback included. A call issued from one of
+    the worker's callbacks runs on that thread before :meth:`submit` or :meth:`run` returns,
+    at the place the module docs give."""
 
     def __init__(self, name: str):
         self._cv = threading.Condition()
+        #: Calls not started yet, in the order they will run: [ticket, fn, done, anchor].
         self._jobs: collections.deque = collections.deque()
-        self._issued = self._finished = 0
+        self._issued = 0
+        #: Tickets queued, running, or whose ``done`` has not returned.
+        self._unfinished: set = set()
+        #: Anchors of the claimed calls whose ``done`` has not returned: {ticket: anchor}.
+        self._open: dict = {}
         self._busy = self._stop = False
+        #: Per thread: the tickets whose ``done`` runs on it, innermost last.
+        self._local = threading.local()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
+    # ---- issuing ----------------------------------------------------------------------------
+
     def submit(self, fn: Callable[[], None], done: Callable) -> int:
+        """Queue ``fn``; ``done(error or None)`` runs once it has run. Returns its ticket.
+        Issued from one of this worker's callbacks, it has run, ``done`` included, on return.
+
+        Raises:
+            RuntimeError: the worker was closed.
+        """
+        origin = self._own()
         with self._cv:
             if self._stop:
-                raise RuntimeError("the process group has been shut down")
+                raise RuntimeError(_SHUT_DOWN)
             self._issued += 1
-            self._jobs.append((self._issued, fn, done))
+            ticket = self._issued
+            self._jobs.insert(self._position(origin), [ticket, fn, done, None])
+            self._unfinished.add(ticket)
             self._cv.notify_all()
-            return self._issued
+        if origin is not None:
+            self._help(ticket)  # the worker thread is this one, in the callback
+        return ticket
 
     def run(self, fn: Callable[[], None]) -> None:
-        with self._cv:
-            while self._busy or self._jobs:
-                self._cv.wait(0.05)
-            if self._stop:
-                raise RuntimeError("the process group has been shut down")
-            self._busy = True
+        """Run ``fn`` on this thread once every call before it has finished (from one of this
+        worker's callbacks: once those queued up to the callback's anchor have).
+
+        Raises:
+            RuntimeError: the worker was closed; otherwise whatever ``fn`` raises.
+        """
+        origin = self._own()
+        while True:
+            with self._cv:
+                while self._busy or (origin is None and (self._jobs or self._unfinished)):
+                    if self._stop:
+                        break
+                    self._cv.wait(0.05)
+                if self._stop:
+                    raise RuntimeError(_SHUT_DOWN)
+                if origin is not None and self._position(origin) > 0:
+                    job = self._claim()  # queued before this call's place: runs first, here
+                else:
+                    self._busy = True
+                    break
+            self._execute(job)
         try:
             fn()
         finally:
@@ -48,39 +95,110 @@ class _Worker:
                 self._busy = False
                 self._cv.notify_all()
 
-    def wait(self, ticket: int) -> None:
+    def anchor(self, ticket: int) -> None:
+        """The future of call ``ticket`` has been taken: calls its ``done`` issues go right
+        after the last call queued now (``Progress::anchor`` in the core)."""
         with self._cv:
-            while self._finished < ticket and not (self._stop and not self._jobs and not self._busy):
+            last = self._jobs[-1][0] if self._jobs else ticket
+            for job in self._jobs:
+                if job[0] == ticket:
+                    job[3] = last
+                    return
+            if ticket in self._open:
+                self._open[ticket] = last
+
+    def wait(self, ticket: int) -> None:
+        """Return once call ``ticket`` has finished (``done`` returned) or the worker was
+        closed; from one of the worker's callbacks, run the calls up to it on this thread."""
+        if self._own() is not None:
+            self._help(ticket)
+            return
+        with self._cv:
+            while ticket in self._unfinished and not (self._stop and not self._jobs and not self._busy):
                 self._cv.wait(0.05)
+
+    # ---- running ----------------------------------------------------------------------------
+
+    def _own(self) -> Optional[int]:
+        """The ticket of this worker's innermost ``done`` running on this thread, or None."""
+        stack = getattr(self._local, "stack", None)
+        return stack[-1] if stack else None
+
+    def _position(self, origin: Optional[int]) -> int:
+        """Where a call issued now goes: from the callback of call ``origin`` with an anchor,
+        right after the anchor (the front once it has started); otherwise at the back."""
+        anchor = self._open.get(origin) if origin is not None else None
+        if anchor is None:
+            return len(self._jobs)
+        for i, job in enumerate(self._jobs):
+            if job[0] == anchor:
+                return i + 1
+        return 0
+
+    def _claim(self) -> list:
+        """Take the front call (condition held, nothing running)."""
+        job = self._jobs.popleft()
+        self._busy = True
+        self._open[job[0]] = job[3]
+        return job
+
+    def _help(self, ticket: int) -> None:
+        """Run queued calls on this thread (one of the worker's callbacks) until ``ticket``
+        has finished."""
+        stack = getattr(self._local, "stack", [])
+        while True:
+            with self._cv:
+                while True:
+                    if ticket not in self._unfinished or ticket in stack or self._stop:
+                        return  # (a callback waiting for its own call would wait for itself)
+                    if not self._busy and any(job[0] == ticket for job in self._jobs):
+                        job = self._claim()
+                        break
+                    self._cv.wait(0.05)
+            self._execute(job)
+
+    def _execute(self, job: list) -> None:
+        """Run a claimed call, then (nothing held) its ``done``."""
+        ticket, fn, done, _ = job
+        error = None
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001  handed to the work
+            error = exc
+        with self._cv:
+            self._busy = False
+            self._cv.notify_all()
+        stack = self._local.__dict__.setdefault("stack", [])
+        stack.append(ticket)
+        try:
+            done(error)
+        except Exception:  # noqa: BLE001
+            _log.exception("flagos_shm: completing a work failed")
+        finally:
+            stack.pop()
+            with self._cv:
+                self._open.pop(ticket, None)
+                self._unfinished.discard(ticket)
+                self._cv.notify_all()
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while (self._busy or not self._jobs) and not self._stop:
+                while self._busy or not self._jobs:
+                    if self._stop and not self._jobs:
+                        return
                     self._cv.wait()
-                if not self._jobs:
-                    return
-                ticket, fn, done = self._jobs.popleft()
-                self._busy = True
-            error = None
-            try:
-                fn()
-            except BaseException as exc:  # noqa: BLE001  handed to the work
-                error = exc
-            try:
-                done(error)
-            except Exception:  # noqa: BLE001
-                _log.exception("flagos_shm: completing a work failed")
-            with self._cv:
-                self._busy = False
-                self._finished = ticket
-                self._cv.notify_all()
+                job = self._claim()
+            self._execute(job)
+
+    # ---- closing ----------------------------------------------------------------------------
 
     def close(self) -> list:
         """Stop taking calls; return the queued ones that never started (their ``done``)."""
         with self._cv:
             self._stop = True
-            left = [done for _, _, done in self._jobs]
+            left = [done for _, _, done, _ in self._jobs]
+            self._unfinished.difference_update(job[0] for job in self._jobs)
             self._jobs.clear()
             self._cv.notify_all()
         return left
