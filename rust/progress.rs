@@ -30,11 +30,14 @@
 //! where NCCL puts them (its futures complete at enqueue, so a `.then` callback runs when
 //! it is attached): right after the calls issued before the job's future was taken
 //! ([`Progress::anchor`], which the c10d adapter calls from `getFuture`), ahead of those
-//! issued after it. So while an anchored job's callback has not returned, other threads
-//! start no job queued after its anchor, and a call the callback issues is queued right
-//! after the anchor (DDP's comm hooks take the future at issue: PowerSGD's callbacks'
-//! allreduces go right after their bucket's, before the next bucket's, on every rank). A
-//! job whose future nobody took runs no user callback and holds nothing back.
+//! issued after it, and after the calls of callbacks whose futures were taken earlier at
+//! the same point. So a call an anchored job's callback issues is queued right after the
+//! anchor (and after such earlier callbacks' calls), and while that callback has not
+//! returned, no other thread starts a job: the callback's thread runs the jobs up to its own
+//! calls, their callbacks nested in it (DDP's comm hooks take the future at issue:
+//! PowerSGD's callbacks' allreduces go right after their bucket's, before the next
+//! bucket's, on every rank). A job whose future nobody took runs no user callback and holds
+//! nothing back.
 
 use crate::algorithms::{AbortHandle, Communicator};
 use crate::error::{Error, Result};
@@ -70,9 +73,21 @@ struct Job {
     ticket: u64,
     task: Task,
     done: Done,
-    /// Set by [`Progress::anchor`]: the ticket of the last job queued when this one's future
-    /// was taken (this job's own ticket if none was queued after it).
-    anchor: Option<u64>,
+    /// Set by [`Progress::anchor`].
+    anchor: Option<Anchor>,
+    /// Issued from the callback of a job anchored `n`-th: `Some(n)` (orders the calls of
+    /// callbacks anchored at the same point, see [`State::position`]).
+    key: Option<u64>,
+}
+
+/// Where the calls of a job's callbacks go ([`Progress::anchor`]).
+#[derive(Clone, Copy)]
+struct Anchor {
+    /// The last job issued other than from a callback when the job's future was taken (the
+    /// job itself if later, or if the future was taken in one of the group's callbacks).
+    after: u64,
+    /// Anchors set before this one (orders the callbacks anchored at one point).
+    n: u64,
 }
 
 /// A job claimed (its task running or done) whose callback has not returned yet.
@@ -82,7 +97,7 @@ struct Open {
     seq: u64,
     /// The thread that claimed it and runs its callback.
     thread: std::thread::ThreadId,
-    anchor: Option<u64>,
+    anchor: Option<Anchor>,
     /// How many waits its callback is in, on its own thread, for calls issued after it
     /// ([`Shared::suspend`]); while any, later callbacks may run as if it had returned.
     suspended: u32,
@@ -99,6 +114,10 @@ struct State {
     open: Vec<Open>,
     /// `seq` of the next claim.
     next_seq: u64,
+    /// `Anchor::n` of the next anchor.
+    next_anchor: u64,
+    /// Ticket of the last job submitted other than from one of the group's callbacks.
+    last_plain: u64,
     /// A collective (inline or queued) is running or has been claimed.
     busy: bool,
     /// `close` was called: no new submissions; the thread exits once the queue is empty.
@@ -130,10 +149,19 @@ impl State {
     }
 
     /// Whether thread `me` may start the front job now: nothing runs, and no anchored
-    /// callback of another thread holds it back (it is queued after that callback's anchor).
-    /// After `close` cancelled the queue nothing is held back: those jobs do not run.
+    /// callback of another thread holds it back. After `close` cancelled the queue nothing
+    /// is held back: those jobs do not run.
+    ///
+    /// Two threads can each hold an anchored callback only if a future was taken while its
+    /// job ran and another thread was already running a later one. Then each callback's
+    /// thread may go on while the other's waits for its own calls (suspended): they could
+    /// otherwise wait for each other for good.
     fn may_claim(&self, me: std::thread::ThreadId) -> bool {
-        !self.busy && (self.cancelled || self.open.iter().all(|o| o.thread == me || o.anchor.is_none_or(|a| self.is_queued(a))))
+        if self.busy {
+            return false;
+        }
+        let mine = self.open.iter().any(|o| o.thread == me);
+        self.cancelled || self.open.iter().all(|o| o.thread == me || o.anchor.is_none() || (mine && o.suspended > 0))
     }
 
     /// Takes the front job for thread `me` (checked by `may_claim`).
@@ -146,15 +174,24 @@ impl State {
         Some((job, seq))
     }
 
+    /// The anchor of open job `origin`'s callback, if it has one.
+    fn anchor_of(&self, origin: Option<u64>) -> Option<Anchor> {
+        origin.and_then(|t| self.open.iter().find(|o| o.ticket == t)).and_then(|o| o.anchor)
+    }
+
     /// Where a job issued now goes in the queue: from the callback of open job `origin`
-    /// with an anchor still queued, right after the anchor; from one whose anchor has
-    /// started, at the front; otherwise (no callback, or no anchor) at the back.
+    /// with an anchor, right after the anchor (the front if it has started), and after the
+    /// calls queued there by callbacks anchored before it (NCCL runs those callbacks first:
+    /// they were attached first); otherwise (no callback, or no anchor) at the back.
     fn position(&self, origin: Option<u64>) -> usize {
-        let anchor = origin.and_then(|t| self.open.iter().find(|o| o.ticket == t)).and_then(|o| o.anchor);
-        match anchor {
-            Some(a) => self.queue.iter().position(|j| j.ticket == a).map_or(0, |i| i + 1),
-            None => self.queue.len(),
+        let Some(anchor) = self.anchor_of(origin) else {
+            return self.queue.len();
+        };
+        let mut at = self.queue.iter().position(|j| j.ticket == anchor.after).map_or(0, |i| i + 1);
+        while self.queue.get(at).is_some_and(|j| j.key.is_some_and(|k| k < anchor.n)) {
+            at += 1;
         }
+        at
     }
 
     fn set_suspended(&mut self, ticket: u64, on: bool) {
@@ -237,7 +274,7 @@ impl Shared {
     /// held) its callback.
     ///
     /// The next job's collective may start as soon as this one's has finished (`busy` is
-    /// released first) unless this job is anchored (module docs), but callbacks run in the
+    /// released first; if this job is anchored, only on this thread: module docs), but callbacks run in the
     /// order the jobs ran: this one waits until the earlier jobs' callbacks have returned,
     /// or are suspended (they wait, on their own thread, for a call issued after them:
     /// [`Shared::suspend`]). So a completed work implies that every work that ran before it
@@ -369,6 +406,8 @@ impl Progress {
                     next_ticket: 1,
                     open: Vec::new(),
                     next_seq: 0,
+                    next_anchor: 0,
+                    last_plain: 0,
                     busy: false,
                     closing: false,
                     cancelled: false,
@@ -451,7 +490,11 @@ impl Progress {
                 let ticket = st.next_ticket;
                 st.next_ticket += 1;
                 let at = st.position(origin);
-                st.queue.insert(at, Job { ticket, task, done, anchor: None });
+                let key = st.anchor_of(origin).map(|a| a.n);
+                if origin.is_none() {
+                    st.last_plain = ticket;
+                }
+                st.queue.insert(at, Job { ticket, task, done, anchor: None, key });
                 drop(st);
                 self.ensure_thread();
                 self.shared.changed.notify_all();
@@ -504,18 +547,25 @@ impl Progress {
     }
 
     /// Records that job `ticket`'s future has been taken (c10d `Work::getFuture`), so
-    /// that callbacks may be attached to it: its anchor becomes the last job queued now (its
-    /// own ticket if none is queued after it). See the module docs for what the anchor does.
+    /// that callbacks may be attached to it: its callbacks' calls go after the last job
+    /// issued now other than from a callback (after the job itself if that is later, or if
+    /// the future is taken in one of the group's callbacks, where NCCL would run a callback
+    /// attached to it at once), and after those anchored before it. See the module docs.
     /// Nothing happens if the job's callback has returned already (the future was then
     /// complete when taken: callbacks attached to it run at once, on the attaching thread).
     pub fn anchor(&self, ticket: u64) {
+        let in_callback = self.shared.own_callback().is_some();
         let mut st = lock(&self.shared.state);
-        let last = st.queue.back().map_or(ticket, |j| j.ticket);
+        let after = if in_callback { ticket } else { st.last_plain.max(ticket) };
+        let anchor = Some(Anchor { after, n: st.next_anchor });
         if let Some(job) = st.queue.iter_mut().find(|j| j.ticket == ticket) {
-            job.anchor = Some(last);
+            job.anchor = anchor;
         } else if let Some(o) = st.open.iter_mut().find(|o| o.ticket == ticket) {
-            o.anchor = Some(last);
+            o.anchor = anchor;
+        } else {
+            return;
         }
+        st.next_anchor += 1;
     }
 
     fn ensure_thread(&self) {

@@ -370,6 +370,39 @@ def rank_callbacks_issue_while_calls_wait(rounds: int) -> dict:
     return {"values": results, "issued": len(works)}
 
 
+def rank_futures_taken_late(rounds: int) -> dict:
+    """Futures taken only after later calls were issued, their callbacks issuing collectives:
+    - *shared anchor*: w1, w2, w3 issued, then w1's and w2's futures given callbacks that
+      each reduce one tensor. NCCL runs them at ``.then``: x1, then x2. Rank 0 sleeps first,
+      so its callbacks run there, on the main thread; the other ranks' run on the progress
+      thread, x2's callback inside x1's wait (before, x2 went first there: reduced crosswise);
+    - *two waiters*: w1, w2 issued, both futures given callbacks (sync, then async plus
+      ``wait``), then ``w1.wait()``: the main thread and the progress thread each ran one
+      job's callback and waited for the other (before: for good)."""
+    rank = dist.get_rank()
+    a, b, c = (torch.ones(4) for _ in range(3))
+    x1, x2 = torch.full((4,), 1.0 * (rank + 1)), torch.full((4,), 100.0 * (rank + 1))
+    works = [dist.all_reduce(t, async_op=True) for t in (a, b, c)]
+    if rank == 0:
+        time.sleep(0.5)
+    f1 = works[0].get_future().then(lambda f: dist.all_reduce(x1))
+    f2 = works[1].get_future().then(lambda f: dist.all_reduce(x2))
+    f1.wait()
+    f2.wait()
+    works[2].wait()
+    res = {"shared": [x1[0].item(), x2[0].item(), a[0].item(), b[0].item(), c[0].item()], "waiters": []}
+    for _ in range(rounds):
+        a, b, c, d = (torch.full((100,), float(rank + 1)) for _ in range(4))
+        w1, w2 = dist.all_reduce(a, async_op=True), dist.all_reduce(b, async_op=True)
+        f1 = w1.get_future().then(lambda f: dist.all_reduce(c))
+        f2 = w2.get_future().then(lambda f: dist.all_reduce(d, async_op=True).get_future().wait())
+        w1.wait()
+        f1.wait()
+        f2.wait()
+        res["waiters"].append(sorted({t[0].item() for t in (a, b, c, d)}))
+    return res
+
+
 def rank_powersgd(steps: int, layers: int = 1, bucket_cap_mb: float = 25.0) -> dict:
     """DDP with torch's PowerSGD comm hook (its callbacks issue allreduces and wait for their
     futures), trained once over the world group (callbacks on its progress thread) and once
@@ -542,6 +575,15 @@ def test_ddp_powersgd_hook_trains_as_with_inline_calls(worlds):
     # progress thread ran such calls itself.
     for res in worlds(2).run(rank_powersgd, 4):
         assert res["equal_to_inline"] and res["moved"], res
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_callbacks_of_futures_taken_late_keep_nccls_order(worlds, world_size):
+    n = world_size
+    tri = n * (n + 1) / 2
+    for res in worlds(n).run(rank_futures_taken_late, 30, timeout=90):
+        assert res["shared"] == [tri, 100 * tri, n, n, n], res
+        assert res["waiters"] == [[tri]] * 30, res
 
 
 def test_ddp_powersgd_hook_on_several_buckets_trains_as_with_inline_calls(worlds):

@@ -307,12 +307,14 @@ def test_device_tensors_on_two_nodes():
 def callbacks_rank(rank: int, world_size: int, tmp: str) -> dict:
     """test_async's callbacks that issue collectives, and torch's PowerSGD DDP hook on several
     buckets, on a group that spans nodes (its calls go through the hierarchy's worker)."""
-    from test_async import rank_callbacks_issue_while_calls_wait, rank_collectives_from_callbacks, rank_powersgd
+    from test_async import (rank_callbacks_issue_while_calls_wait, rank_collectives_from_callbacks,
+                            rank_futures_taken_late, rank_powersgd)
 
     init_group(rank, world_size)
     try:
         return {"callbacks": rank_collectives_from_callbacks("cpu"),
                 "beside_calls": rank_callbacks_issue_while_calls_wait(5),
+                "late": rank_futures_taken_late(5),
                 "powersgd": rank_powersgd(4, 6, 0.02)}
     finally:
         dist.destroy_process_group()
@@ -328,5 +330,6 @@ def test_callbacks_that_issue_collectives_on_two_nodes():
     check_collectives_from_callbacks([res["callbacks"] for res in results], n)
     for res in results:
         assert res["beside_calls"] == {"values": [[n * (n + 1) / 2]] * 5, "issued": 3}, res
+        assert res["late"] == {"shared": [6.0, 600.0, 3.0, 3.0, 3.0], "waiters": [[6.0]] * 5}, res
         assert res["powersgd"]["buckets"] >= 4 and res["powersgd"]["equal_to_inline"], res
         assert res["powersgd"]["moved"], res

@@ -122,10 +122,28 @@ impl PyCommunicator {
         f: impl FnOnce(&mut Communicator) -> Result<(), Error> + Send + 'static,
     ) -> PyResult<u64> {
         self.check_owner()?;
-        let Some(callback) = done else {
-            return self.run(py, timeout_s, f).map(|()| 0);
-        };
         let t = timeout(timeout_s)?;
+        let Some(callback) = done else {
+            if !self.inner.in_own_callback() {
+                return self.run(py, timeout_s, f).map(|()| 0);
+            }
+            // Synchronous, from one of this group's completion callbacks: queued and run here
+            // at once like an asynchronous call, so that it holds its place in the queue
+            // (`Progress::anchor`) while the jobs before it run, and a callback nested in
+            // them that issues a call places it after this one, as NCCL would.
+            let result = Arc::new(Mutex::new(None));
+            let slot = Arc::clone(&result);
+            let ticket = self.inner.submit(
+                Box::new(move |comm| with_timeout(comm, t, f)),
+                Box::new(move |r| *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(r)),
+            );
+            detach_blocking(py, || self.inner.help_until(ticket));
+            let r = result.lock().unwrap_or_else(|p| p.into_inner()).take();
+            return match r {
+                Some(r) => r.map(|()| 0).map_err(|e| to_py(e, Some(&self.pending))),
+                None => Err(PyRuntimeError::new_err("flagos_shm: a call from a completion callback did not run")),
+            };
+        };
         // A job run by `wait_ticket` on a Python thread can be interrupted by Ctrl-C: the
         // hook left Python's KeyboardInterrupt in `pending`; hand that to the callback.
         let pending = Arc::clone(&self.pending);

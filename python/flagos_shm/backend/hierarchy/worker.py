@@ -6,8 +6,10 @@ Calls issued from completion callbacks (``done``, which completes a work and so 
 callbacks attached to its future: torch's PowerSGD DDP hook issues allreduces there) follow
 the rule of the single-node core (``rust/progress.rs``): they run at once, on the callback's
 thread, and take their place right after the calls issued before the work's future was taken
-(:meth:`_Worker.anchor`), ahead of those issued after it, so that every rank runs them in the
-same order whichever thread got there first.
+(:meth:`_Worker.anchor`), ahead of those issued after it, and after the calls of callbacks
+whose futures were taken earlier at the same point, so that every rank runs them in the same
+order whichever thread got there first. (Only the worker's thread runs queued calls, so no
+other thread can start a later one while a callback runs.)
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ class _Worker:
 
     def __init__(self, name: str):
         self._cv = threading.Condition()
-        #: Calls not started yet, in the order they will run: [ticket, fn, done, anchor].
+        #: Calls not started yet, in the order they will run: [ticket, fn, done, anchor, key]:
+        #: ``anchor`` (set by :meth:`anchor`) is (the ticket its callbacks' calls go after,
+        #: anchors set before it); ``key`` the latter of the callback that issued the call.
         self._jobs: collections.deque = collections.deque()
-        self._issued = 0
+        self._issued = self._anchors = 0
+        #: The last call submitted other than from one of the worker's callbacks.
+        self._last_plain = 0
         #: Tickets queued, running, or whose ``done`` has not returned.
         self._unfinished: set = set()
         #: Anchors of the claimed calls whose ``done`` has not returned: {ticket: anchor}.
@@ -59,7 +65,10 @@ class _Worker:
                 raise RuntimeError(_SHUT_DOWN)
             self._issued += 1
             ticket = self._issued
-            self._jobs.insert(self._position(origin), [ticket, fn, done, None])
+            anchor = self._open.get(origin) if origin is not None else None
+            if origin is None:
+                self._last_plain = ticket
+            self._jobs.insert(self._position(origin), [ticket, fn, done, None, None if anchor is None else anchor[1]])
             self._unfinished.add(ticket)
             self._cv.notify_all()
         if origin is not None:
@@ -67,27 +76,30 @@ class _Worker:
         return ticket
 
     def run(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on this thread once every call before it has finished (from one of this
-        worker's callbacks: once those queued up to the callback's anchor have).
+        """Run ``fn`` on this thread once every call before it has finished; from one of
+        this worker's callbacks, at the place the module docs give (queued, then run here).
 
         Raises:
             RuntimeError: the worker was closed; otherwise whatever ``fn`` raises.
         """
-        origin = self._own()
-        while True:
-            with self._cv:
-                while self._busy or (origin is None and (self._jobs or self._unfinished)):
-                    if self._stop:
-                        break
-                    self._cv.wait(0.05)
+        if self._own() is not None:
+            # Queued and run here at once, so that it holds its place while the calls before
+            # it run: a callback nested in those places its own calls after this one.
+            errors: list = []
+            self.submit(fn, errors.append)
+            if not errors:  # closed while the calls before it ran
+                raise RuntimeError(_SHUT_DOWN)
+            if errors[0] is not None:
+                raise errors[0]
+            return
+        with self._cv:
+            while self._busy or self._jobs or self._unfinished:
                 if self._stop:
-                    raise RuntimeError(_SHUT_DOWN)
-                if origin is not None and self._position(origin) > 0:
-                    job = self._claim()  # queued before this call's place: runs first, here
-                else:
-                    self._busy = True
                     break
-            self._execute(job)
+                self._cv.wait(0.05)
+            if self._stop:
+                raise RuntimeError(_SHUT_DOWN)
+            self._busy = True
         try:
             fn()
         finally:
@@ -96,16 +108,21 @@ class _Worker:
                 self._cv.notify_all()
 
     def anchor(self, ticket: int) -> None:
-        """The future of call ``ticket`` has been taken: calls its ``done`` issues go right
-        after the last call queued now (``Progress::anchor`` in the core)."""
+        """The future of call ``ticket`` has been taken: calls its ``done`` issues go after
+        the last call issued now other than from a callback (after the call itself if that
+        is later, or if the future is taken in a callback), after those of callbacks anchored
+        before (``Progress::anchor`` in the core)."""
+        in_callback = self._own() is not None
         with self._cv:
-            last = self._jobs[-1][0] if self._jobs else ticket
-            for job in self._jobs:
-                if job[0] == ticket:
-                    job[3] = last
-                    return
-            if ticket in self._open:
-                self._open[ticket] = last
+            anchor = (ticket if in_callback else max(self._last_plain, ticket), self._anchors)
+            job = next((job for job in self._jobs if job[0] == ticket), None)
+            if job is not None:
+                job[3] = anchor
+            elif ticket in self._open:
+                self._open[ticket] = anchor
+            else:
+                return
+            self._anchors += 1
 
     def wait(self, ticket: int) -> None:
         """Return once call ``ticket`` has finished (``done`` returned) or the worker was
@@ -126,14 +143,16 @@ class _Worker:
 
     def _position(self, origin: Optional[int]) -> int:
         """Where a call issued now goes: from the callback of call ``origin`` with an anchor,
-        right after the anchor (the front once it has started); otherwise at the back."""
+        right after the anchor (the front once it has started), after the calls queued there
+        by callbacks anchored before it; otherwise at the back."""
         anchor = self._open.get(origin) if origin is not None else None
         if anchor is None:
             return len(self._jobs)
-        for i, job in enumerate(self._jobs):
-            if job[0] == anchor:
-                return i + 1
-        return 0
+        after, n = anchor
+        at = next((i + 1 for i, job in enumerate(self._jobs) if job[0] == after), 0)
+        while at < len(self._jobs) and self._jobs[at][4] is not None and self._jobs[at][4] < n:
+            at += 1
+        return at
 
     def _claim(self) -> list:
         """Take the front call (condition held, nothing running)."""
@@ -159,7 +178,7 @@ class _Worker:
 
     def _execute(self, job: list) -> None:
         """Run a claimed call, then (nothing held) its ``done``."""
-        ticket, fn, done, _ = job
+        ticket, fn, done = job[:3]
         error = None
         try:
             fn()
@@ -197,7 +216,7 @@ class _Worker:
         """Stop taking calls; return the queued ones that never started (their ``done``)."""
         with self._cv:
             self._stop = True
-            left = [done for _, _, done, _ in self._jobs]
+            left = [job[2] for job in self._jobs]
             self._unfinished.difference_update(job[0] for job in self._jobs)
             self._jobs.clear()
             self._cv.notify_all()
