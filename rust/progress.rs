@@ -101,6 +101,9 @@ struct Open {
     /// How many waits its callback is in, on its own thread, for calls issued after it
     /// ([`Shared::suspend`]); while any, later callbacks may run as if it had returned.
     suspended: u32,
+    /// Its callback, put off until the callback of open job `.0` has returned (see
+    /// [`Shared::execute`]); later callbacks may run meanwhile.
+    parked: Option<(u64, Done, Result<()>)>,
 }
 
 struct State {
@@ -136,7 +139,7 @@ impl State {
     /// has returned from its callback or is suspended. So callbacks run in the order their
     /// jobs ran, and a completed work implies the works that ran before it are complete.
     fn callbacks_before_done(&self, seq: u64) -> bool {
-        self.open.iter().all(|o| o.seq >= seq || o.suspended > 0)
+        self.open.iter().all(|o| o.seq >= seq || o.suspended > 0 || o.parked.is_some())
     }
 
     /// Whether job `ticket`'s callback has returned (or it never ran: ticket 0).
@@ -170,7 +173,7 @@ impl State {
         let seq = self.next_seq;
         self.next_seq += 1;
         self.busy = true;
-        self.open.push(Open { ticket: job.ticket, seq, thread: me, anchor: job.anchor, suspended: 0 });
+        self.open.push(Open { ticket: job.ticket, seq, thread: me, anchor: job.anchor, suspended: 0, parked: None });
         Some((job, seq))
     }
 
@@ -192,6 +195,19 @@ impl State {
             at += 1;
         }
         at
+    }
+
+    /// Takes the parked callback of job `ticket` if thread `me` parked it.
+    fn unpark(&mut self, ticket: u64, me: std::thread::ThreadId) -> Option<(Done, Result<()>)> {
+        let o = self.open.iter_mut().find(|o| o.ticket == ticket && o.thread == me)?;
+        o.parked.take().map(|(_, done, result)| (done, result))
+    }
+
+    /// Takes the first (in running order) callback parked until job `under`'s returned.
+    fn next_parked(&mut self, under: u64) -> Option<(u64, Done, Result<()>)> {
+        let o = self.open.iter_mut().find(|o| o.parked.as_ref().is_some_and(|p| p.0 == under))?;
+        let ticket = o.ticket;
+        o.parked.take().map(|(_, done, result)| (ticket, done, result))
     }
 
     fn set_suspended(&mut self, ticket: u64, on: bool) {
@@ -280,16 +296,54 @@ impl Shared {
     /// [`Shared::suspend`]). So a completed work implies that every work that ran before it
     /// on the group is complete too (results written back), as on a single device stream,
     /// except a work whose callback waits for it.
+    ///
+    /// Run on the thread of an anchored callback (waiting for its own calls) whose future
+    /// was taken before this job's, an anchored job's callback is *parked* until that
+    /// callback has returned: NCCL would have run it after (it was attached later), so the
+    /// calls it issues must come after that callback's. Waiting for the job itself from
+    /// the callback ([`Progress::help_until`]) runs it at once instead.
     fn execute(&self, job: Job, seq: u64) {
         let cancelled = lock(&self.state).cancelled;
         let result = if cancelled { Err(Error::Aborted(SHUT_DOWN.into())) } else { self.with_comm(job.task) };
         self.release();
+        let under = self.own_callback();
         {
             let mut st = lock(&self.state);
+            let mine = st.open.iter().find(|o| o.ticket == job.ticket).and_then(|o| o.anchor);
+            let theirs = st.anchor_of(under);
+            if let (Some(mine), Some(theirs), Some(under)) = (mine, theirs, under) {
+                if theirs.n < mine.n {
+                    if let Some(o) = st.open.iter_mut().find(|o| o.ticket == job.ticket) {
+                        o.parked = Some((under, job.done, result));
+                    }
+                    drop(st);
+                    self.changed.notify_all();
+                    return;
+                }
+            }
             while !st.callbacks_before_done(seq) {
                 st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
             }
         }
+        self.callback(job.ticket, job.done, result);
+    }
+
+    /// Runs job `ticket`'s callback on this thread, then the callbacks parked until it
+    /// returned (in running order).
+    fn callback(&self, ticket: u64, done: Done, result: Result<()>) {
+        self.callback_only(ticket, done, result);
+        loop {
+            let next = lock(&self.state).next_parked(ticket);
+            match next {
+                Some((t, done, result)) => self.callback(t, done, result),
+                None => break,
+            }
+        }
+    }
+
+    /// Runs job `ticket`'s callback, marked as this group's on this thread, and records
+    /// its return.
+    fn callback_only(&self, ticket: u64, done: Done, result: Result<()>) {
         /// Records the callback as returned even if it panics, so later ones still run.
         struct Finished<'a>(&'a Shared, u64);
         impl Drop for Finished<'_> {
@@ -305,7 +359,7 @@ impl Shared {
                 self.0.wake(thread);
             }
         }
-        let _finished = Finished(self, job.ticket);
+        let _finished = Finished(self, ticket);
         /// Marks this thread as running a callback of this group (restored on unwind too).
         struct InCallback(bool, (usize, u64));
         impl Drop for InCallback {
@@ -314,8 +368,8 @@ impl Shared {
                 CALLBACK.with(|c| c.set(self.1));
             }
         }
-        let _in_callback = InCallback(IN_CALLBACK.with(|c| c.replace(true)), CALLBACK.with(|c| c.replace((self.id(), job.ticket))));
-        (job.done)(result);
+        let _in_callback = InCallback(IN_CALLBACK.with(|c| c.replace(true)), CALLBACK.with(|c| c.replace((self.id(), ticket))));
+        done(result);
     }
 
     /// This group's identity for [`CALLBACK`].
@@ -522,14 +576,19 @@ impl Progress {
         let _suspended = self.shared.suspend();
         let me = std::thread::current().id();
         loop {
-            let (job, seq) = {
+            let next = {
                 let mut st = lock(&self.shared.state);
                 loop {
                     if st.is_finished(ticket) {
                         return true;
                     }
+                    if let Some(parked) = st.unpark(ticket, me) {
+                        // Parked by this thread until a callback it is in returns: waited
+                        // for from that callback, it runs now.
+                        break Err(parked);
+                    }
                     if st.is_queued(ticket) && st.may_claim(me) {
-                        break st.claim(me).expect("a job is queued");
+                        break Ok(st.claim(me).expect("a job is queued"));
                     }
                     let (guard, waited) = self.shared.changed.wait_timeout(st, STOP_CHECK).unwrap_or_else(|p| p.into_inner());
                     st = guard;
@@ -542,7 +601,10 @@ impl Progress {
                     }
                 }
             };
-            self.shared.execute(job, seq);
+            match next {
+                Ok((job, seq)) => self.shared.execute(job, seq),
+                Err((done, result)) => self.shared.callback(ticket, done, result),
+            }
         }
     }
 

@@ -371,26 +371,55 @@ def rank_callbacks_issue_while_calls_wait(rounds: int) -> dict:
 
 
 def rank_futures_taken_late(rounds: int) -> dict:
-    """Futures taken only after later calls were issued, their callbacks issuing collectives:
+    """Futures taken only after later calls were issued, their callbacks issuing collectives.
+    Rank 0 issues half a second late, and takes the futures 0.3 s after that: its callbacks
+    run at ``.then`` on the main thread, in NCCL's order; the other ranks' run on the
+    progress thread, where they must keep that order:
     - *shared anchor*: w1, w2, w3 issued, then w1's and w2's futures given callbacks that
-      each reduce one tensor. NCCL runs them at ``.then``: x1, then x2. Rank 0 sleeps first,
-      so its callbacks run there, on the main thread; the other ranks' run on the progress
-      thread, x2's callback inside x1's wait (before, x2 went first there: reduced crosswise);
+      each reduce one tensor: x1, then x2 (before, w2's callback ran inside x1's wait and
+      its call went first: reduced crosswise);
+    - *nested*: w1, w2 issued, then w1's callback reduces y1 (async, waited for) and y2, and
+      w2's reduces y3: y1, y2, y3 (w2's callback, run inside y1's wait, now waits for w1's
+      to return);
     - *two waiters*: w1, w2 issued, both futures given callbacks (sync, then async plus
       ``wait``), then ``w1.wait()``: the main thread and the progress thread each ran one
       job's callback and waited for the other (before: for good)."""
     rank = dist.get_rank()
+
+    def late() -> None:
+        if rank == 0:
+            time.sleep(0.3)
+
+    if rank == 0:
+        time.sleep(0.5)
     a, b, c = (torch.ones(4) for _ in range(3))
     x1, x2 = torch.full((4,), 1.0 * (rank + 1)), torch.full((4,), 100.0 * (rank + 1))
     works = [dist.all_reduce(t, async_op=True) for t in (a, b, c)]
-    if rank == 0:
-        time.sleep(0.5)
+    late()
     f1 = works[0].get_future().then(lambda f: dist.all_reduce(x1))
     f2 = works[1].get_future().then(lambda f: dist.all_reduce(x2))
     f1.wait()
     f2.wait()
     works[2].wait()
-    res = {"shared": [x1[0].item(), x2[0].item(), a[0].item(), b[0].item(), c[0].item()], "waiters": []}
+    res = {"shared": [x1[0].item(), x2[0].item(), a[0].item(), b[0].item(), c[0].item()]}
+
+    if rank == 0:
+        time.sleep(0.5)
+    y1, y2, y3 = (torch.full((4,), k * (rank + 1.0)) for k in (1, 10, 100))
+
+    def first(fut):
+        dist.all_reduce(y1, async_op=True).wait()
+        dist.all_reduce(y2)
+
+    w1, w2 = dist.all_reduce(torch.ones(4), async_op=True), dist.all_reduce(torch.ones(4), async_op=True)
+    late()
+    f1 = w1.get_future().then(first)
+    f2 = w2.get_future().then(lambda f: dist.all_reduce(y3))
+    f1.wait()
+    f2.wait()
+    res["nested"] = [y1[0].item(), y2[0].item(), y3[0].item()]
+
+    res["waiters"] = []
     for _ in range(rounds):
         a, b, c, d = (torch.full((100,), float(rank + 1)) for _ in range(4))
         w1, w2 = dist.all_reduce(a, async_op=True), dist.all_reduce(b, async_op=True)
@@ -583,6 +612,7 @@ def test_callbacks_of_futures_taken_late_keep_nccls_order(worlds, world_size):
     tri = n * (n + 1) / 2
     for res in worlds(n).run(rank_futures_taken_late, 30, timeout=90):
         assert res["shared"] == [tri, 100 * tri, n, n, n], res
+        assert res["nested"] == [tri, 10 * tri, 100 * tri], res
         assert res["waiters"] == [[tri]] * 30, res
 
 

@@ -44,6 +44,9 @@ class _Worker:
         self._unfinished: set = set()
         #: Anchors of the claimed calls whose ``done`` has not returned: {ticket: anchor}.
         self._open: dict = {}
+        #: ``done`` put off until the callback of another call returned: {ticket: (that
+        #: call's ticket, done, error)}, in running order.
+        self._parked: dict = {}
         self._busy = self._stop = False
         #: Per thread: the tickets whose ``done`` runs on it, innermost last.
         self._local = threading.local()
@@ -163,30 +166,48 @@ class _Worker:
 
     def _help(self, ticket: int) -> None:
         """Run queued calls on this thread (one of the worker's callbacks) until ``ticket``
-        has finished."""
+        has finished (a parked ``done`` of it runs now)."""
         stack = getattr(self._local, "stack", [])
         while True:
+            parked = None
             with self._cv:
                 while True:
                     if ticket not in self._unfinished or ticket in stack or self._stop:
                         return  # (a callback waiting for its own call would wait for itself)
+                    if ticket in self._parked:
+                        parked = self._parked.pop(ticket)
+                        break
                     if not self._busy and any(job[0] == ticket for job in self._jobs):
                         job = self._claim()
                         break
                     self._cv.wait(0.05)
-            self._execute(job)
+            if parked is not None:
+                self._callback(ticket, parked[1], parked[2])
+            else:
+                self._execute(job)
 
     def _execute(self, job: list) -> None:
-        """Run a claimed call, then (nothing held) its ``done``."""
+        """Run a claimed call, then (nothing held) its ``done``: at once, or, for a call
+        anchored after the callback this thread is in, parked until that one has returned
+        (NCCL would run it after: it was attached later; ``Shared::execute`` in the core)."""
         ticket, fn, done = job[:3]
         error = None
         try:
             fn()
         except BaseException as exc:  # noqa: BLE001  handed to the work
             error = exc
+        under = self._own()
         with self._cv:
             self._busy = False
             self._cv.notify_all()
+            mine, theirs = self._open.get(ticket), None if under is None else self._open.get(under)
+            if mine is not None and theirs is not None and theirs[1] < mine[1]:
+                self._parked[ticket] = (under, done, error)
+                return
+        self._callback(ticket, done, error)
+
+    def _callback(self, ticket: int, done: Callable, error) -> None:
+        """Run call ``ticket``'s ``done`` on this thread, then those parked until it returned."""
         stack = self._local.__dict__.setdefault("stack", [])
         stack.append(ticket)
         try:
@@ -199,6 +220,13 @@ class _Worker:
                 self._open.pop(ticket, None)
                 self._unfinished.discard(ticket)
                 self._cv.notify_all()
+        while True:
+            with self._cv:
+                later = next((t for t, (under, _, _) in self._parked.items() if under == ticket), None)
+                if later is None:
+                    return
+                _, done, error = self._parked.pop(later)
+            self._callback(later, done, error)
 
     def _loop(self) -> None:
         while True:
