@@ -34,10 +34,11 @@
 //! the same point. So a call an anchored job's callback issues is queued right after the
 //! anchor (and after such earlier callbacks' calls), and while that callback has not
 //! returned, no other thread starts a job: the callback's thread runs the jobs up to its own
-//! calls, their callbacks nested in it (DDP's comm hooks take the future at issue:
-//! PowerSGD's callbacks' allreduces go right after their bucket's, before the next
-//! bucket's, on every rank). A job whose future nobody took runs no user callback and holds
-//! nothing back.
+//! calls, their callbacks nested in it, except that an anchored job's callback anchored
+//! after this one waits until this one has returned (NCCL attached it later: see
+//! [`Shared::execute`]). DDP's comm hooks take the future at issue: PowerSGD's callbacks'
+//! allreduces go right after their bucket's, before the next bucket's, on every rank. A job
+//! whose future nobody took runs no user callback and holds nothing back.
 
 use crate::algorithms::{AbortHandle, Communicator};
 use crate::error::{Error, Result};
