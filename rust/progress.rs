@@ -79,6 +79,8 @@ struct Job {
     /// Issued from the callback of a job anchored `n`-th: `Some(n)` (orders the calls of
     /// callbacks anchored at the same point, see [`State::position`]).
     key: Option<u64>,
+    /// The part of `done` that delivers the results ([`Progress::submit_with_results`]).
+    results: Option<Done>,
 }
 
 /// Where the calls of a job's callbacks go ([`Progress::anchor`]).
@@ -102,9 +104,35 @@ struct Open {
     /// How many waits its callback is in, on its own thread, for calls issued after it
     /// ([`Shared::suspend`]); while any, later callbacks may run as if it had returned.
     suspended: u32,
-    /// Its callback, put off until the callback of open job `.0` has returned (see
+    /// Its callback, put off until another callback has returned (see
     /// [`Shared::execute`]); later callbacks may run meanwhile.
-    parked: Option<(u64, Done, Result<()>)>,
+    parked: Option<Parked>,
+}
+
+/// A callback put off until the callback of open job `under` has returned.
+struct Parked {
+    under: u64,
+    done: Done,
+    /// The job's results part, if it has one ([`Progress::submit_with_results`]): run
+    /// ahead of `done` when the callback the job is parked in waits for it.
+    results: Option<Done>,
+    /// The job's result (`Ok(())` once handed to `results`).
+    result: Result<()>,
+    /// `results` has run: the job is finished for the callback waiting for it, while
+    /// `done` stays parked.
+    delivered: bool,
+}
+
+/// What [`Progress::help_until_or`] does next on the waiting thread.
+enum Helped {
+    /// Run a queued job, claimed `seq`-th.
+    Job(Job, u64),
+    /// Run the callback of the job waited for, parked by this thread ([`State::unpark`]).
+    Callback(Done, Result<()>),
+    /// Run the results part of the job waited for; its callback stays parked.
+    Results(Done, Result<()>),
+    /// Return: the results part of the job waited for has run.
+    Delivered,
 }
 
 struct State {
@@ -198,17 +226,31 @@ impl State {
         at
     }
 
-    /// Takes the parked callback of job `ticket` if thread `me` parked it.
-    fn unpark(&mut self, ticket: u64, me: std::thread::ThreadId) -> Option<(Done, Result<()>)> {
+    /// What thread `me`, waiting for job `ticket`, does if it parked that job's callback
+    /// (it waits from the callback the job is parked in). With a results part, that part
+    /// runs now and the callback stays parked: the waiter gets the results, and the
+    /// callbacks attached to the job's future still run after the waiting one has
+    /// returned, as NCCL runs them (their calls go after the waiting callback's). Without
+    /// one, the whole callback runs now.
+    /// None: nothing parked by `me` (wait as for any job).
+    fn unpark(&mut self, ticket: u64, me: std::thread::ThreadId) -> Option<Helped> {
         let o = self.open.iter_mut().find(|o| o.ticket == ticket && o.thread == me)?;
-        o.parked.take().map(|(_, done, result)| (done, result))
+        let p = o.parked.as_mut()?;
+        if p.delivered {
+            return Some(Helped::Delivered);
+        }
+        if let Some(results) = p.results.take() {
+            p.delivered = true;
+            return Some(Helped::Results(results, std::mem::replace(&mut p.result, Ok(()))));
+        }
+        o.parked.take().map(|p| Helped::Callback(p.done, p.result))
     }
 
     /// Takes the first (in running order) callback parked until job `under`'s returned.
     fn next_parked(&mut self, under: u64) -> Option<(u64, Done, Result<()>)> {
-        let o = self.open.iter_mut().find(|o| o.parked.as_ref().is_some_and(|p| p.0 == under))?;
+        let o = self.open.iter_mut().find(|o| o.parked.as_ref().is_some_and(|p| p.under == under))?;
         let ticket = o.ticket;
-        o.parked.take().map(|(_, done, result)| (ticket, done, result))
+        o.parked.take().map(|p| (ticket, p.done, p.result))
     }
 
     fn set_suspended(&mut self, ticket: u64, on: bool) {
@@ -302,7 +344,8 @@ impl Shared {
     /// was taken before this job's, an anchored job's callback is *parked* until that
     /// callback has returned: NCCL would have run it after (it was attached later), so the
     /// calls it issues must come after that callback's. Waiting for the job itself from
-    /// the callback ([`Progress::help_until`]) runs it at once instead.
+    /// the callback ([`Progress::help_until`]) runs its results part then (the callback
+    /// stays parked), or, if it has none, the whole callback.
     fn execute(&self, job: Job, seq: u64) {
         let cancelled = lock(&self.state).cancelled;
         let result = if cancelled { Err(Error::Aborted(SHUT_DOWN.into())) } else { self.with_comm(job.task) };
@@ -315,7 +358,7 @@ impl Shared {
             if let (Some(mine), Some(theirs), Some(under)) = (mine, theirs, under) {
                 if theirs.n < mine.n {
                     if let Some(o) = st.open.iter_mut().find(|o| o.ticket == job.ticket) {
-                        o.parked = Some((under, job.done, result));
+                        o.parked = Some(Parked { under, done: job.done, results: job.results, result, delivered: false });
                     }
                     drop(st);
                     self.changed.notify_all();
@@ -538,6 +581,19 @@ impl Progress {
     /// Issued from one of this group's callbacks, the job is queued where the module docs
     /// say (after the callback's anchor); otherwise at the back.
     pub fn submit(&self, task: Task, done: Done) -> u64 {
+        self.submit_with_results(task, None, done)
+    }
+
+    /// [`Self::submit`], with `done` in two parts: `results` delivers the job's results
+    /// (e.g. writes them back and releases its waiters) without running callbacks the
+    /// user attached; `done` does all of it, or only the rest once `results` has run.
+    ///
+    /// `results` runs (instead of `done`, ahead of it) only when the job's callback is
+    /// parked until an earlier-anchored callback has returned and that callback waits for
+    /// the job ([`Shared::execute`]): the waiter needs the results now, but NCCL would run
+    /// the job's callbacks after the waiting one. `done` then runs later, as parked, with
+    /// `Ok(())`: the result went to `results`. Otherwise `results` is dropped unrun.
+    pub fn submit_with_results(&self, task: Task, results: Option<Done>, done: Done) -> u64 {
         let origin = self.shared.own_callback();
         {
             let mut st = lock(&self.shared.state);
@@ -549,7 +605,7 @@ impl Progress {
                 if origin.is_none() {
                     st.last_plain = ticket;
                 }
-                st.queue.insert(at, Job { ticket, task, done, anchor: None, key });
+                st.queue.insert(at, Job { ticket, task, done, anchor: None, key, results });
                 drop(st);
                 self.ensure_thread();
                 self.shared.changed.notify_all();
@@ -561,7 +617,9 @@ impl Progress {
         0
     }
 
-    /// Returns once the job with `ticket` has completed (its callback returned).
+    /// Returns once the job with `ticket` has completed (its callback returned), or, waited
+    /// for from the callback it is parked in, once its results part has run
+    /// ([`Self::submit_with_results`]).
     ///
     /// Queued jobs up to `ticket` that the progress thread has not claimed yet are run
     /// here, on the calling thread, in issue order: a caller that waits right after
@@ -583,13 +641,14 @@ impl Progress {
                     if st.is_finished(ticket) {
                         return true;
                     }
-                    if let Some(parked) = st.unpark(ticket, me) {
-                        // Parked by this thread until a callback it is in returns: waited
-                        // for from that callback, it runs now.
-                        break Err(parked);
+                    if let Some(next) = st.unpark(ticket, me) {
+                        // Parked by this thread until a callback it is in returns, and
+                        // waited for from that callback.
+                        break next;
                     }
                     if st.is_queued(ticket) && st.may_claim(me) {
-                        break Ok(st.claim(me).expect("a job is queued"));
+                        let (job, seq) = st.claim(me).expect("a job is queued");
+                        break Helped::Job(job, seq);
                     }
                     let (guard, waited) = self.shared.changed.wait_timeout(st, STOP_CHECK).unwrap_or_else(|p| p.into_inner());
                     st = guard;
@@ -603,8 +662,10 @@ impl Progress {
                 }
             };
             match next {
-                Ok((job, seq)) => self.shared.execute(job, seq),
-                Err((done, result)) => self.shared.callback(ticket, done, result),
+                Helped::Job(job, seq) => self.shared.execute(job, seq),
+                Helped::Callback(done, result) => self.shared.callback(ticket, done, result),
+                Helped::Results(results, result) => results(result),
+                Helped::Delivered => return true,
             }
         }
     }

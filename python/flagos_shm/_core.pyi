@@ -39,7 +39,11 @@ SEGMENT_PREFIX: str
 PLAN_KEYS: List[str]
 PLAN_FALLBACK: Dict[str, Optional[int]]
 
-_Done = Optional[Callable[[Optional[BaseException]], None]]
+#: A queued call's completion callback: ``done(error)``, ``error`` None on success. A call
+#: whose future was anchored (``Communicator.anchor``) and that is waited for from a callback
+#: anchored before it gets ``done(error, early=True)`` first (deliver the results, run no
+#: callback attached to its future), then ``done(None)`` (the rest) once that one returned.
+_Done = Optional[Callable[..., None]]
 
 def create_segment(dir: str, world_size: int, slot_bytes: int) -> str: ...
 def default_slot_bytes(dir: str, world_size: int) -> int: ...

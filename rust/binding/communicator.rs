@@ -111,8 +111,11 @@ impl PyCommunicator {
     /// Runs collective `f` inline (`done` is None: returns 0 when it has finished, raising
     /// its error) or queues it on the progress thread (`done` is a callable: returns its
     /// ticket at once, for `wait_ticket`; `done(None)` or `done(exception)` is called
-    /// later, with the GIL held, on the progress thread or on a thread in `wait_ticket`).
-    /// Queued from one of the group's own completion callbacks, it has run, `done`
+    /// later, with the GIL held, on the progress thread or on a thread in `wait_ticket`;
+    /// a call waited for from a callback anchored before its own first gets
+    /// `done(error, early=True)`, to deliver its results without running the callbacks
+    /// attached to its future, then `done(None)` once that callback has returned: see
+    /// `Progress::submit_with_results`). Queued from one of the group's own completion callbacks, it has run, `done`
     /// included, when this returns (`Progress::in_own_callback`).
     fn dispatch(
         &self,
@@ -146,26 +149,19 @@ impl PyCommunicator {
         };
         // A job run by `wait_ticket` on a Python thread can be interrupted by Ctrl-C: the
         // hook left Python's KeyboardInterrupt in `pending`; hand that to the callback.
+        // `done` may be called in two parts (`Progress::submit_with_results`): first
+        // `done(error, early=True)`, later `done(None)`. Both closures share one cell, so
+        // that the callable is dropped with the GIL held, by the call that ends it.
+        let cell = Arc::new(Mutex::new(Some(callback)));
+        let results: progress::Done = {
+            let (cell, pending) = (Arc::clone(&cell), Arc::clone(&self.pending));
+            Box::new(move |result| complete(&cell, &pending, result, true))
+        };
         let pending = Arc::clone(&self.pending);
-        let ticket = self.inner.submit(
+        let ticket = self.inner.submit_with_results(
             Box::new(move |comm| with_timeout(comm, t, f)),
-            Box::new(move |result| {
-                let (_entry, may_enter) = exit::Entry::callback();
-                if !may_enter {
-                    std::mem::forget(callback); // see `exit::python_exiting`
-                    return;
-                }
-                Python::attach(|py| {
-                    let arg = match result {
-                        Ok(()) => py.None(),
-                        Err(e) => to_py(e, Some(&pending)).into_value(py).into_any(),
-                    };
-                    if let Err(err) = callback.call1(py, (arg,)) {
-                        err.write_unraisable(py, Some(callback.bind(py)));
-                    }
-                    drop(callback);
-                })
-            }),
+            Some(results),
+            Box::new(move |result| complete(&cell, &pending, result, false)),
         );
         if self.inner.in_own_callback() {
             // Issued from one of this group's completion callbacks (e.g. a DDP comm hook's
@@ -176,6 +172,47 @@ impl PyCommunicator {
         }
         Ok(ticket)
     }
+}
+
+/// Calls the Python completion callback held in `cell` with the job's result: `None` or
+/// the exception. `early`: only its results part, `done(error, early=True)`, keeping it
+/// for the call that ends it; otherwise `done(error)`, and drops it (GIL held). Once
+/// Python is exiting it is leaked instead, on a progress thread (`exit::python_exiting`).
+fn complete(cell: &Mutex<Option<Py<PyAny>>>, pending: &Pending, result: Result<(), Error>, early: bool) {
+    let (_entry, may_enter) = exit::Entry::callback();
+    if !may_enter {
+        if let Some(callback) = cell.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            std::mem::forget(callback); // see `exit::python_exiting`
+        }
+        return;
+    }
+    Python::attach(|py| {
+        let callback = {
+            let mut slot = cell.lock().unwrap_or_else(|p| p.into_inner());
+            if early {
+                slot.as_ref().map(|c| c.clone_ref(py))
+            } else {
+                slot.take()
+            }
+        };
+        let Some(callback) = callback else {
+            return;
+        };
+        let arg = match result {
+            Ok(()) => py.None(),
+            Err(e) => to_py(e, Some(pending)).into_value(py).into_any(),
+        };
+        let called = if early {
+            let kwargs = PyDict::new(py);
+            kwargs.set_item("early", true).and_then(|()| callback.call(py, (arg,), Some(&kwargs)))
+        } else {
+            callback.call1(py, (arg,))
+        };
+        if let Err(err) = called {
+            err.write_unraisable(py, Some(callback.bind(py)));
+        }
+        drop(callback);
+    })
 }
 
 /// Runs `f` with the communicator's timeout set to `t` (when given) for this call only.

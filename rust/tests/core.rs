@@ -759,6 +759,70 @@ fn queue_and_wait_from_callback(prog: &flagos_shm::progress::Progress, log: &std
     log.lock().unwrap().push("3".to_string());
 }
 
+/// Three jobs queued, then the first's and the third's futures taken (anchored, the first
+/// before the third); the first's callback waits for the third. Returns rank 0's log once
+/// every callback has run: the third job given a results part (`with_results`) delivers
+/// its results to the wait and runs its callback only after the first's has returned, as
+/// NCCL would (it was attached later); without one, the wait runs its whole callback.
+fn callback_waits_for_a_later_anchored_job(with_results: bool) -> Vec<String> {
+    use flagos_shm::progress::Progress;
+    use std::sync::{mpsc, Mutex};
+    let dir = tmpdir();
+    let path = segment::create(&dir, 2, SLOT).unwrap();
+    let p = path.clone();
+    let (go, queued) = mpsc::channel::<()>();
+    let peer = std::thread::spawn(move || {
+        let prog = Progress::new(Communicator::attach(&p, 1, 2, Duration::from_secs(20)).unwrap());
+        queued.recv().unwrap();
+        for _ in 0..3 {
+            prog.run(|c| c.barrier()).unwrap();
+        }
+        prog.close();
+    });
+    let prog = Arc::new(Progress::new(Communicator::attach(&path, 0, 2, Duration::from_secs(20)).unwrap()));
+    let log = Arc::new(Mutex::new(Vec::<String>::new()));
+    let note = |log: &Arc<Mutex<Vec<String>>>, what: &'static str| {
+        let log = Arc::clone(log);
+        move |res: flagos_shm::Result<()>| {
+            res.unwrap();
+            log.lock().unwrap().push(what.to_string());
+        }
+    };
+    let (p1, l1) = (Arc::clone(&prog), Arc::clone(&log));
+    let first = prog.submit(
+        Box::new(|c| c.barrier()),
+        Box::new(move |res| {
+            res.unwrap();
+            p1.help_until(3);
+            l1.lock().unwrap().push("wait returned".to_string());
+            l1.lock().unwrap().push("1 returned".to_string());
+        }),
+    );
+    prog.submit(Box::new(|c| c.barrier()), Box::new(note(&log, "2")));
+    let results: Option<flagos_shm::progress::Done> = with_results.then(|| Box::new(note(&log, "3 results")) as _);
+    let third = prog.submit_with_results(Box::new(|c| c.barrier()), results, Box::new(note(&log, "3 done")));
+    assert_eq!((first, third), (1, 3));
+    prog.anchor(first);
+    prog.anchor(third);
+    go.send(()).unwrap();
+    let t = std::time::Instant::now();
+    while log.lock().unwrap().len() < 4 + usize::from(with_results) {
+        assert!(t.elapsed() < Duration::from_secs(20), "stuck: {:?}", log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    peer.join().unwrap();
+    prog.close();
+    std::fs::remove_dir_all(&dir).unwrap();
+    let log = log.lock().unwrap().clone();
+    log
+}
+
+#[test]
+fn progress_a_job_waited_for_by_an_earlier_anchored_callback_delivers_results_first() {
+    assert_eq!(callback_waits_for_a_later_anchored_job(true), ["2", "3 results", "wait returned", "1 returned", "3 done"]);
+    assert_eq!(callback_waits_for_a_later_anchored_job(false), ["2", "3 done", "wait returned", "1 returned"]);
+}
+
 #[test]
 fn too_short_buffers_are_refused_by_name_and_nothing_is_written() {
     // Each case: rank 1 passes a buffer one element short; rank 1 gets InvalidArgument
