@@ -150,21 +150,39 @@ class ShmWork:
             except Exception:  # noqa: BLE001  a group closed or not this process's: nothing to order
                 pass
 
-    def _complete(self, error: Optional[BaseException] = None) -> None:
-        """Mark the work finished (with ``error`` if it failed) and tell its callbacks."""
+    def _complete(self, error: Optional[BaseException] = None, *, early: bool = False) -> None:
+        """Mark the work finished (with ``error`` if it failed) and tell its callbacks.
+
+        Args:
+            error: the call's error, or ``None``.
+            early: complete only for :meth:`wait` (and :meth:`is_completed`): the callbacks
+                (the c10d work's, and so its future's) run at a later ``_complete()``,
+                whose ``error`` is then ignored. The group does this for a work waited for
+                from a callback of a work whose future was taken before this one's: NCCL
+                runs this work's future callbacks after that callback has returned, so the
+                calls they issue go after that callback's (``Progress::submit_with_results``
+                in the core).
+        """
         with self._lock:
             callbacks = self._callbacks
             if callbacks is None:  # completed already (or being completed by another thread)
                 return
+            if self._done.is_set():  # completed early: the callbacks' turn
+                error = self._error
+            else:
+                self._error = error
+                if early:
+                    self._done.set()
+                    return
             self._callbacks = None
-            self._error = error
             self._completer = threading.get_ident()
         for fn, args in callbacks:
             try:
                 fn(*args, error)
             except Exception:  # noqa: BLE001  a callback's failure must not keep the work open
                 _log.exception("flagos_shm: a work completion callback failed")
-        self._done.set()
+        if not self._done.is_set():
+            self._done.set()
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         """Block until the call has finished; return ``True``.

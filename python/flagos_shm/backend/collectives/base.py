@@ -488,8 +488,8 @@ class CollectiveBase:
             work = ShmWork(outputs, pending=True, abort=self.abort, help=lambda: comm.wait_ticket(ticket),
                            anchor=lambda: comm.anchor(ticket))
 
-            def done(error, _inputs=inputs) -> None:  # the core holds done, done the inputs
-                work._complete(None if error is None else self._error(name, error))
+            def done(error, _inputs=inputs, *, early: bool = False) -> None:  # the core holds done, done the inputs
+                work._complete(None if error is None else self._error(name, error), early=early)
 
             try:
                 with self._gate:
@@ -546,8 +546,16 @@ class CollectiveBase:
         left = [len(calls)]
         errors: list = []
         lock = threading.Lock()
+        #: The work's outcome once written back early (``done(error, early=True)``).
+        delivered: list = []
 
-        def done(error, count: int = 1) -> None:
+        def done(error, count: int = 1, *, early: bool = False) -> None:
+            # ``early`` (the core, for the last call, waited for from an earlier-anchored
+            # callback): write back and complete the work for its waiters only; the later
+            # ``done(None)`` runs its callbacks (ShmWork._complete).
+            if delivered:
+                work._complete(delivered[0])
+                return
             with lock:
                 if error is not None:
                     errors.append(error)
@@ -564,7 +572,10 @@ class CollectiveBase:
                     staging.finish(buffers)
                 except Exception as exc:
                     first = exc
-            work._complete(None if first is None else self._error(name, first))
+            outcome = None if first is None else self._error(name, first)
+            if early:
+                delivered.append(outcome)
+            work._complete(outcome, early=early)
 
         if not calls:
             work._complete()

@@ -207,6 +207,11 @@ class ShmWork : public c10d::Work {
     PythonCall gil;
     // Raises the collective's error; a timeout (> 0) that passes aborts the group and raises.
     work_.attr("wait")(timeout.count() > 0 ? py::cast(timeout) : py::none());
+    // The results are in. A work waited for from a callback of a work whose future was
+    // taken before this one's completes its future only once that callback has returned
+    // (ShmWork._complete, early), as NCCL runs its callbacks; the work is complete now.
+    std::lock_guard<std::mutex> lock(mutex_);
+    completed_ = true;
     return true;
   }
 
@@ -215,7 +220,7 @@ class ShmWork : public c10d::Work {
     if (!future_) {
       future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
       auto future = future_;
-      if (completed_) {
+      if (finished_) {
         auto error = exception_;
         lock.unlock();
         settle(future, error);
@@ -250,10 +255,10 @@ class ShmWork : public c10d::Work {
       // What Work::finish does, plus taking the future in the same critical section, so
       // that a getFuture() racing with this either sees the work completed or is settled here.
       std::lock_guard<std::mutex> lock(mutex_);
-      if (completed_) {
+      if (finished_) {
         return;
       }
-      completed_ = true;
+      finished_ = completed_ = true;
       exception_ = eptr;
       future = future_;
       end = std::move(recordFunctionEndCallback_);
@@ -279,6 +284,9 @@ class ShmWork : public c10d::Work {
   py::object work_;
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // made on demand (DDP asks for it)
+  // complete() has run (and settled future_ if taken). Work::completed_ may be set before,
+  // by a wait() that returned while the future's callbacks were put off (see wait()).
+  bool finished_ = false;
 };
 
 // The Python methods a backend calls, looked up once per backend.

@@ -44,8 +44,9 @@ class _Worker:
         self._unfinished: set = set()
         #: Anchors of the claimed calls whose ``done`` has not returned: {ticket: anchor}.
         self._open: dict = {}
-        #: ``done`` put off until the callback of another call returned: {ticket: (that
-        #: call's ticket, done, error)}, in running order.
+        #: ``done`` put off until the callback of another call returned: {ticket: [that
+        #: call's ticket, done, error, whether ``done(error, early=True)`` has run]}, in
+        #: running order.
         self._parked: dict = {}
         self._busy = self._stop = False
         #: Per thread: the tickets whose ``done`` runs on it, innermost last.
@@ -166,7 +167,10 @@ class _Worker:
 
     def _help(self, ticket: int) -> None:
         """Run queued calls on this thread (one of the worker's callbacks) until ``ticket``
-        has finished (a parked ``done`` of it runs now)."""
+        has finished. If its ``done`` is parked until this callback returns, only its
+        results part runs now, ``done(error, early=True)``, and ``done`` stays parked, so
+        that the callbacks attached to its future still run after this one, as NCCL runs
+        them (``Progress::submit_with_results`` in the core)."""
         stack = getattr(self._local, "stack", [])
         while True:
             parked = None
@@ -174,15 +178,23 @@ class _Worker:
                 while True:
                     if ticket not in self._unfinished or ticket in stack or self._stop:
                         return  # (a callback waiting for its own call would wait for itself)
-                    if ticket in self._parked:
-                        parked = self._parked.pop(ticket)
+                    entry = self._parked.get(ticket)
+                    if entry is not None:
+                        if entry[3]:
+                            return  # its results are in
+                        entry[3] = True
+                        parked, entry[2] = (entry[1], entry[2]), None
                         break
                     if not self._busy and any(job[0] == ticket for job in self._jobs):
                         job = self._claim()
                         break
                     self._cv.wait(0.05)
             if parked is not None:
-                self._callback(ticket, parked[1], parked[2])
+                done, error = parked
+                try:
+                    done(error, early=True)
+                except Exception:  # noqa: BLE001
+                    _log.exception("flagos_shm: completing a work failed")
             else:
                 self._execute(job)
 
@@ -202,7 +214,7 @@ class _Worker:
             self._cv.notify_all()
             mine, theirs = self._open.get(ticket), None if under is None else self._open.get(under)
             if mine is not None and theirs is not None and theirs[1] < mine[1]:
-                self._parked[ticket] = (under, done, error)
+                self._parked[ticket] = [under, done, error, False]
                 return
         self._callback(ticket, done, error)
 
@@ -222,10 +234,10 @@ class _Worker:
                 self._cv.notify_all()
         while True:
             with self._cv:
-                later = next((t for t, (under, _, _) in self._parked.items() if under == ticket), None)
+                later = next((t for t, entry in self._parked.items() if entry[0] == ticket), None)
                 if later is None:
                     return
-                _, done, error = self._parked.pop(later)
+                _, done, error, _ = self._parked.pop(later)
             self._callback(later, done, error)
 
     def _loop(self) -> None:
