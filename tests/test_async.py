@@ -383,7 +383,12 @@ def rank_futures_taken_late(rounds: int) -> dict:
       to return);
     - *two waiters*: w1, w2 issued, both futures given callbacks (sync, then async plus
       ``wait``), then ``w1.wait()``: the main thread and the progress thread each ran one
-      job's callback and waited for the other (before: for good)."""
+      job's callback and waited for the other (before: for good);
+    - *waits for a later work*: w1, w2, w3 issued, then w1's callback waits for w3 (or
+      w2) and reduces z1, w2's reduces z2, w3's z3: z1, z2, z3 (before, the wait ran w3's
+      callback, and so z3's call, ahead of z1's on the ranks that ran it on the progress
+      thread: reduced crosswise); the waited work ``is_completed()`` once ``wait`` returned,
+      though its future's callback has not run yet."""
     rank = dist.get_rank()
 
     def late() -> None:
@@ -429,6 +434,25 @@ def rank_futures_taken_late(rounds: int) -> dict:
         f1.wait()
         f2.wait()
         res["waiters"].append(sorted({t[0].item() for t in (a, b, c, d)}))
+
+    res["waits_later"], res["waited_is_completed"] = [], []
+    for waited in (2, 1):
+        if rank == 0:
+            time.sleep(0.5)
+        z = [torch.full((4,), k * (rank + 1.0)) for k in (1, 10, 100)]
+        works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(3)]
+        late()
+
+        def waits(fut, later=works[waited]):
+            later.wait()
+            res["waited_is_completed"].append(later.is_completed())
+            dist.all_reduce(z[0])
+
+        futures = [works[0].get_future().then(waits)]
+        futures += [w.get_future().then(lambda f, t=t: dist.all_reduce(t)) for w, t in zip(works[1:], z[1:])]
+        for f in futures:
+            f.wait()
+        res["waits_later"].append([t[0].item() for t in z])
     return res
 
 
@@ -614,6 +638,8 @@ def test_callbacks_of_futures_taken_late_keep_nccls_order(worlds, world_size):
         assert res["shared"] == [tri, 100 * tri, n, n, n], res
         assert res["nested"] == [tri, 10 * tri, 100 * tri], res
         assert res["waiters"] == [[tri]] * 30, res
+        assert res["waits_later"] == [[tri, 10 * tri, 100 * tri]] * 2, res
+        assert res["waited_is_completed"] == [True, True], res
 
 
 def test_ddp_powersgd_hook_on_several_buckets_trains_as_with_inline_calls(worlds):
