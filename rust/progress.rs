@@ -216,7 +216,12 @@ impl State {
     /// calls queued there by callbacks anchored before it (NCCL runs those callbacks first:
     /// they were attached first); otherwise (no callback, or no anchor) at the back.
     fn position(&self, origin: Option<u64>) -> usize {
-        let Some(anchor) = self.anchor_of(origin) else {
+        self.position_after(self.anchor_of(origin))
+    }
+
+    /// [`Self::position`], given the origin's anchor.
+    fn position_after(&self, anchor: Option<Anchor>) -> usize {
+        let Some(anchor) = anchor else {
             return self.queue.len();
         };
         let mut at = self.queue.iter().position(|j| j.ticket == anchor.after).map_or(0, |i| i + 1);
@@ -353,13 +358,11 @@ impl Shared {
         let under = self.own_callback();
         {
             let mut st = lock(&self.state);
-            let mine = st.open.iter().find(|o| o.ticket == job.ticket).and_then(|o| o.anchor);
             let theirs = st.anchor_of(under);
-            if let (Some(mine), Some(theirs), Some(under)) = (mine, theirs, under) {
-                if theirs.n < mine.n {
-                    if let Some(o) = st.open.iter_mut().find(|o| o.ticket == job.ticket) {
-                        o.parked = Some(Parked { under, done: job.done, results: job.results, result, delivered: false });
-                    }
+            let mine = st.open.iter_mut().find(|o| o.ticket == job.ticket);
+            if let (Some(o), Some(theirs), Some(under)) = (mine, theirs, under) {
+                if o.anchor.is_some_and(|mine| theirs.n < mine.n) {
+                    o.parked = Some(Parked { under, done: job.done, results: job.results, result, delivered: false });
                     drop(st);
                     self.changed.notify_all();
                     return;
@@ -600,8 +603,9 @@ impl Progress {
             if !st.closing {
                 let ticket = st.next_ticket;
                 st.next_ticket += 1;
-                let at = st.position(origin);
-                let key = st.anchor_of(origin).map(|a| a.n);
+                let anchor = st.anchor_of(origin);
+                let at = st.position_after(anchor);
+                let key = anchor.map(|a| a.n);
                 if origin.is_none() {
                     st.last_plain = ticket;
                 }
@@ -715,17 +719,6 @@ impl Progress {
     pub fn thread_parked(&self) -> (bool, u64) {
         let st = lock(&self.shared.state);
         (st.parked, st.wakeups)
-    }
-
-    /// Number of submitted jobs that have not started yet.
-    pub fn queued(&self) -> usize {
-        lock(&self.shared.state).queue.len()
-    }
-
-    /// Whether nothing is queued or running.
-    pub fn idle(&self) -> bool {
-        let st = lock(&self.shared.state);
-        st.queue.is_empty() && !st.busy
     }
 
     /// Whether `close` has dropped the communicator.

@@ -72,7 +72,7 @@ class _Worker:
             anchor = self._open.get(origin) if origin is not None else None
             if origin is None:
                 self._last_plain = ticket
-            self._jobs.insert(self._position(origin), [ticket, fn, done, None, None if anchor is None else anchor[1]])
+            self._jobs.insert(self._position(anchor), [ticket, fn, done, None, None if anchor is None else anchor[1]])
             self._unfinished.add(ticket)
             self._cv.notify_all()
         if origin is not None:
@@ -145,11 +145,10 @@ class _Worker:
         stack = getattr(self._local, "stack", None)
         return stack[-1] if stack else None
 
-    def _position(self, origin: Optional[int]) -> int:
-        """Where a call issued now goes: from the callback of call ``origin`` with an anchor,
+    def _position(self, anchor: Optional[tuple]) -> int:
+        """Where a call issued now goes: from a callback with ``anchor`` (its call's anchor),
         right after the anchor (the front once it has started), after the calls queued there
-        by callbacks anchored before it; otherwise at the back."""
-        anchor = self._open.get(origin) if origin is not None else None
+        by callbacks anchored before it; otherwise (no callback, or no anchor) at the back."""
         if anchor is None:
             return len(self._jobs)
         after, n = anchor
