@@ -54,6 +54,9 @@ pub const STOP_CHECK: std::time::Duration = std::time::Duration::from_millis(20)
 pub type Task = Box<dyn FnOnce(&mut Communicator) -> Result<()> + Send>;
 /// Receives a submitted task's result, on the progress thread.
 pub type Done = Box<dyn FnOnce(Result<()>) + Send>;
+/// The results part of a [`Done`] ([`Progress::submit_with_results`]): receives the result,
+/// or hands it back (`Some`) to decline, and the whole `done` then runs at once instead.
+pub type Results = Box<dyn FnOnce(Result<()>) -> Option<Result<()>> + Send>;
 
 thread_local! {
     static ON_PROGRESS_THREAD: Cell<bool> = const { Cell::new(false) };
@@ -80,7 +83,7 @@ struct Job {
     /// callbacks anchored at the same point, see [`State::position`]).
     key: Option<u64>,
     /// The part of `done` that delivers the results ([`Progress::submit_with_results`]).
-    results: Option<Done>,
+    results: Option<Results>,
 }
 
 /// Where the calls of a job's callbacks go ([`Progress::anchor`]).
@@ -115,7 +118,7 @@ struct Parked {
     done: Done,
     /// The job's results part, if it has one ([`Progress::submit_with_results`]): run
     /// ahead of `done` when the callback the job is parked in waits for it.
-    results: Option<Done>,
+    results: Option<Results>,
     /// The job's result (`Ok(())` once handed to `results`).
     result: Result<()>,
     /// `results` has run: the job is finished for the callback waiting for it, while
@@ -130,7 +133,7 @@ enum Helped {
     /// Run the callback of the job waited for, parked by this thread ([`State::unpark`]).
     Callback(Done, Result<()>),
     /// Run the results part of the job waited for; its callback stays parked.
-    Results(Done, Result<()>),
+    Results(Results, Result<()>),
     /// Return: the results part of the job waited for has run.
     Delivered,
 }
@@ -249,6 +252,12 @@ impl State {
             return Some(Helped::Results(results, std::mem::replace(&mut p.result, Ok(()))));
         }
         o.parked.take().map(|p| Helped::Callback(p.done, p.result))
+    }
+
+    /// Takes job `ticket`'s parked callback (its results part declined).
+    fn unpark_whole(&mut self, ticket: u64) -> Option<Done> {
+        let o = self.open.iter_mut().find(|o| o.ticket == ticket)?;
+        o.parked.take().map(|p| p.done)
     }
 
     /// Takes the first (in running order) callback parked until job `under`'s returned.
@@ -595,8 +604,10 @@ impl Progress {
     /// parked until an earlier-anchored callback has returned and that callback waits for
     /// the job ([`Shared::execute`]): the waiter needs the results now, but NCCL would run
     /// the job's callbacks after the waiting one. `done` then runs later, as parked, with
-    /// `Ok(())`: the result went to `results`. Otherwise `results` is dropped unrun.
-    pub fn submit_with_results(&self, task: Task, results: Option<Done>, done: Done) -> u64 {
+    /// `Ok(())`: the result went to `results`. If `results` declines (hands the result
+    /// back), the whole `done` runs then, as for a job without one. Otherwise `results` is
+    /// dropped unrun.
+    pub fn submit_with_results(&self, task: Task, results: Option<Results>, done: Done) -> u64 {
         let origin = self.shared.own_callback();
         {
             let mut st = lock(&self.shared.state);
@@ -668,7 +679,15 @@ impl Progress {
             match next {
                 Helped::Job(job, seq) => self.shared.execute(job, seq),
                 Helped::Callback(done, result) => self.shared.callback(ticket, done, result),
-                Helped::Results(results, result) => results(result),
+                Helped::Results(results, result) => {
+                    if let Some(result) = results(result) {
+                        // Declined: the whole callback runs now instead.
+                        let parked = lock(&self.shared.state).unpark_whole(ticket);
+                        if let Some(done) = parked {
+                            self.shared.callback(ticket, done, result);
+                        }
+                    }
+                }
                 Helped::Delivered => return true,
             }
         }

@@ -153,9 +153,15 @@ impl PyCommunicator {
         // `done(error, early=True)`, later `done(None)`. Both closures share one cell, so
         // that the callable is dropped with the GIL held, by the call that ends it.
         let cell = Arc::new(Mutex::new(Some(callback)));
-        let results: progress::Done = {
+        let results: progress::Results = {
             let (cell, pending) = (Arc::clone(&cell), Arc::clone(&self.pending));
-            Box::new(move |result| complete(&cell, &pending, result, true))
+            Box::new(move |result| {
+                if !takes_early(&cell) {
+                    return Some(result); // the whole `done` runs instead
+                }
+                complete(&cell, &pending, result, true);
+                None
+            })
         };
         let pending = Arc::clone(&self.pending);
         let ticket = self.inner.submit_with_results(
@@ -172,6 +178,37 @@ impl PyCommunicator {
         }
         Ok(ticket)
     }
+}
+
+/// Whether the Python completion callback held in `cell` takes the `early` keyword (or any
+/// keyword), so that its results part can run alone; asked only when that part is needed
+/// (rarely), so `inspect.signature` costs nothing per call. A callback that does not is
+/// run whole, as before the two parts existed, rather than failing and leaving its work
+/// incomplete for good.
+fn takes_early(cell: &Mutex<Option<Py<PyAny>>>) -> bool {
+    let (_entry, may_enter) = exit::Entry::callback();
+    if !may_enter {
+        return false;
+    }
+    Python::attach(|py| {
+        let slot = cell.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(callback) = slot.as_ref() else {
+            return false;
+        };
+        let check = || -> PyResult<bool> {
+            let parameters = py.import("inspect")?.call_method1("signature", (callback.bind(py),))?.getattr("parameters")?;
+            if parameters.contains("early")? {
+                return Ok(true);
+            }
+            for p in parameters.call_method0("values")?.try_iter()? {
+                if p?.getattr("kind")?.getattr("name")?.extract::<String>()? == "VAR_KEYWORD" {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
+        };
+        check().unwrap_or(false)
+    })
 }
 
 /// Calls the Python completion callback held in `cell` with the job's result: `None` or

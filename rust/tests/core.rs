@@ -759,12 +759,21 @@ fn queue_and_wait_from_callback(prog: &flagos_shm::progress::Progress, log: &std
     log.lock().unwrap().push("3".to_string());
 }
 
+/// The results part [`callback_waits_for_a_later_anchored_job`] gives the third job.
+#[derive(Clone, Copy, PartialEq)]
+enum ResultsPart {
+    None,
+    Delivers,
+    /// Hands the result back.
+    Declines,
+}
+
 /// Three jobs queued, then the first's and the third's futures taken (anchored, the first
 /// before the third); the first's callback waits for the third. Returns rank 0's log once
-/// every callback has run: the third job given a results part (`with_results`) delivers
-/// its results to the wait and runs its callback only after the first's has returned, as
-/// NCCL would (it was attached later); without one, the wait runs its whole callback.
-fn callback_waits_for_a_later_anchored_job(with_results: bool) -> Vec<String> {
+/// every callback has run: the third job given a results part delivers its results to the
+/// wait and runs its callback only after the first's has returned, as NCCL would (it was
+/// attached later); without one, or if it declines, the wait runs its whole callback.
+fn callback_waits_for_a_later_anchored_job(part: ResultsPart) -> Vec<String> {
     use flagos_shm::progress::Progress;
     use std::sync::{mpsc, Mutex};
     let dir = tmpdir();
@@ -799,14 +808,22 @@ fn callback_waits_for_a_later_anchored_job(with_results: bool) -> Vec<String> {
         }),
     );
     prog.submit(Box::new(|c| c.barrier()), Box::new(note(&log, "2")));
-    let results: Option<flagos_shm::progress::Done> = with_results.then(|| Box::new(note(&log, "3 results")) as _);
+    let delivered = note(&log, "3 results");
+    let results: Option<flagos_shm::progress::Results> = match part {
+        ResultsPart::None => None,
+        ResultsPart::Delivers => Some(Box::new(move |res| {
+            delivered(res);
+            None
+        })),
+        ResultsPart::Declines => Some(Box::new(Some)),
+    };
     let third = prog.submit_with_results(Box::new(|c| c.barrier()), results, Box::new(note(&log, "3 done")));
     assert_eq!((first, third), (1, 3));
     prog.anchor(first);
     prog.anchor(third);
     go.send(()).unwrap();
     let t = std::time::Instant::now();
-    while log.lock().unwrap().len() < 4 + usize::from(with_results) {
+    while log.lock().unwrap().len() < 4 + usize::from(part == ResultsPart::Delivers) {
         assert!(t.elapsed() < Duration::from_secs(20), "stuck: {:?}", log.lock().unwrap());
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -819,8 +836,10 @@ fn callback_waits_for_a_later_anchored_job(with_results: bool) -> Vec<String> {
 
 #[test]
 fn progress_a_job_waited_for_by_an_earlier_anchored_callback_delivers_results_first() {
-    assert_eq!(callback_waits_for_a_later_anchored_job(true), ["2", "3 results", "wait returned", "1 returned", "3 done"]);
-    assert_eq!(callback_waits_for_a_later_anchored_job(false), ["2", "3 done", "wait returned", "1 returned"]);
+    assert_eq!(callback_waits_for_a_later_anchored_job(ResultsPart::Delivers), ["2", "3 results", "wait returned", "1 returned", "3 done"]);
+    for part in [ResultsPart::None, ResultsPart::Declines] {
+        assert_eq!(callback_waits_for_a_later_anchored_job(part), ["2", "3 done", "wait returned", "1 returned"]);
+    }
 }
 
 #[test]

@@ -15,6 +15,7 @@ other thread can start a later one while a callback runs.)
 from __future__ import annotations
 
 import collections
+import inspect
 import logging
 import threading
 from typing import Callable, Optional
@@ -22,6 +23,16 @@ from typing import Callable, Optional
 _log = logging.getLogger("flagos_shm")
 
 _SHUT_DOWN = "the process group has been shut down"
+
+
+def _takes_early(done: Callable) -> bool:
+    """Whether ``done`` takes the ``early`` keyword (or any keyword), so that its results
+    part can run alone (``takes_early`` in the core's binding)."""
+    try:
+        parameters = inspect.signature(done).parameters
+    except (TypeError, ValueError):
+        return False
+    return "early" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 class _Worker:
@@ -172,7 +183,7 @@ class _Worker:
         them (``Progress::submit_with_results`` in the core)."""
         stack = getattr(self._local, "stack", [])
         while True:
-            parked = None
+            results = whole = None
             with self._cv:
                 while True:
                     if ticket not in self._unfinished or ticket in stack or self._stop:
@@ -181,15 +192,21 @@ class _Worker:
                     if entry is not None:
                         if entry[3]:
                             return  # its results are in
+                        if not _takes_early(entry[1]):  # run whole, as the core does
+                            _, done, error, _ = self._parked.pop(ticket)
+                            whole = (done, error)
+                            break
                         entry[3] = True
-                        parked, entry[2] = (entry[1], entry[2]), None
+                        results, entry[2] = (entry[1], entry[2]), None
                         break
                     if not self._busy and any(job[0] == ticket for job in self._jobs):
                         job = self._claim()
                         break
                     self._cv.wait(0.05)
-            if parked is not None:
-                done, error = parked
+            if whole is not None:
+                self._callback(ticket, *whole)
+            elif results is not None:
+                done, error = results
                 try:
                     done(error, early=True)
                 except Exception:  # noqa: BLE001
