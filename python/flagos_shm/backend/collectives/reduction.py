@@ -33,7 +33,8 @@ def _naming(where: Callable[[], str], call):
         return named
 
     def named_call(done):
-        report = None if done is None else (lambda error, *rest: done(None if error is None else rename(error), *rest))
+        report = None if done is None else (
+            lambda error, *rest, **kw: done(None if error is None else rename(error), *rest, **kw))
         try:
             return call(report)
         except ValueError as exc:
