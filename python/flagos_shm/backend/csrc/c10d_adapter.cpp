@@ -205,18 +205,29 @@ class ShmWork : public c10d::Work {
       }
     }
     PythonCall gil;
-    // Raises the collective's error; a timeout (> 0) that passes aborts the group and raises.
-    work_.attr("wait")(timeout.count() > 0 ? py::cast(timeout) : py::none());
-    // The results are in. A work waited for from a callback of a work whose future was
-    // taken before this one's completes its future only once that callback has returned
-    // (ShmWork._complete, early), as NCCL runs its callbacks; the work is complete now.
-    std::lock_guard<std::mutex> lock(mutex_);
-    completed_ = true;
+    try {
+      // Raises the collective's error; a timeout (> 0) that passes aborts the group and raises.
+      work_.attr("wait")(timeout.count() > 0 ? py::cast(timeout) : py::none());
+    } catch (py::error_already_set&) {
+      completedEarly();
+      throw;
+    }
+    completedEarly();
     return true;
   }
 
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     std::unique_lock<std::mutex> lock(mutex_);
+    if (completed_ && !finished_) {
+      // Completed early (see completedEarly): a future taken now is complete, as NCCL's
+      // would be, so waiting for it returns and a callback attached to it runs at once;
+      // future_'s own callbacks still run when complete() settles it.
+      auto error = exception_;
+      lock.unlock();
+      auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+      settle(future, error);
+      return future;
+    }
     if (!future_) {
       future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
       auto future = future_;
@@ -273,6 +284,32 @@ class ShmWork : public c10d::Work {
     }
   }
 
+  // After the Python work's wait() has returned or raised (GIL held). A work waited for from
+  // a callback of a work whose future was taken before this one's completes in two parts
+  // (ShmWork._complete, early): its results are in now, but complete(), which settles its
+  // future and so runs the callbacks attached to it, runs only once that callback has
+  // returned, as NCCL runs them (after it: they were attached later). The work is complete
+  // now, with its error if it failed. Nothing to do after complete() has run, or if the
+  // wait gave up (a timeout or Ctrl-C: the work is not complete).
+  void completedEarly() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (completed_) {
+        return;
+      }
+    }
+    if (!work_.attr("is_completed")().cast<bool>()) {
+      return;
+    }
+    py::object error = work_.attr("exception")();
+    std::exception_ptr eptr = error.is_none() ? nullptr : std::make_exception_ptr(PythonError(error));
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!completed_) {
+      completed_ = true;
+      exception_ = eptr;
+    }
+  }
+
   void settle(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::exception_ptr& error) {
     if (error) {
       future->setError(error);
@@ -285,7 +322,7 @@ class ShmWork : public c10d::Work {
   std::vector<at::Tensor> outputs_;
   c10::intrusive_ptr<c10::ivalue::Future> future_;  // made on demand (DDP asks for it)
   // complete() has run (and settled future_ if taken). Work::completed_ may be set before,
-  // by a wait() that returned while the future's callbacks were put off (see wait()).
+  // by a wait() that returned while the future's callbacks were put off (completedEarly).
   bool finished_ = false;
 };
 
