@@ -385,10 +385,12 @@ def rank_futures_taken_late(rounds: int) -> dict:
       ``wait``), then ``w1.wait()``: the main thread and the progress thread each ran one
       job's callback and waited for the other (before: for good);
     - *waits for a later work*: w1, w2, w3 issued, then w1's callback waits for w3 (or
-      w2) and reduces z1, w2's reduces z2, w3's z3: z1, z2, z3 (before, the wait ran w3's
-      callback, and so z3's call, ahead of z1's on the ranks that ran it on the progress
-      thread: reduced crosswise); the waited work ``is_completed()`` once ``wait`` returned,
-      though its future's callback has not run yet."""
+      w2; w3 a list-form reduce-scatter; w3 failing) and reduces z1, w2's reduces z2,
+      w3's z3: z1, z2, z3 (before, the wait ran w3's callback, and so z3's call, ahead of
+      z1's on the ranks that ran it on the progress thread: reduced crosswise); the waited
+      work is complete once ``wait`` returned or raised, its future done, and a callback
+      attached to it then runs at once (z4 before z1), though the one attached earlier
+      has not run yet."""
     rank = dist.get_rank()
 
     def late() -> None:
@@ -435,21 +437,36 @@ def rank_futures_taken_late(rounds: int) -> dict:
         f2.wait()
         res["waiters"].append(sorted({t[0].item() for t in (a, b, c, d)}))
 
-    res["waits_later"], res["waited_is_completed"] = [], []
-    for waited in (2, 1):
+    n = dist.get_world_size()
+    res["waits_later"], res["waited_state"], res["waited_failed"] = [], [], []
+    for waited, third in ((2, "allreduce"), (1, "allreduce"), (2, "reduce_scatter"), (2, "fails")):
         if rank == 0:
             time.sleep(0.5)
-        z = [torch.full((4,), k * (rank + 1.0)) for k in (1, 10, 100)]
-        works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(3)]
+        z = [torch.full((4,), k * (rank + 1.0)) for k in (1, 10, 100, 1000)]
+        works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(2)]
+        if third == "reduce_scatter":  # the list form: its ``done`` is wrapped (_naming)
+            works.append(dist.reduce_scatter(torch.zeros(4), [torch.ones(4)] * n, async_op=True))
+        else:  # "fails": the ranks pass different sizes (ValueError on every rank)
+            works.append(dist.all_reduce(torch.ones(4 + rank * (third == "fails")), async_op=True))
         late()
 
-        def waits(fut, later=works[waited]):
-            later.wait()
-            res["waited_is_completed"].append(later.is_completed())
+        def waits(fut, later=works[waited], third=third):
+            try:
+                later.wait()
+            except ValueError:
+                res["waited_failed"].append([later.is_completed(), later.is_success(), later.exception() is not None])
+                dist.all_reduce(z[3])
+                dist.all_reduce(z[0])
+                return
+            # Complete, as NCCL's would be: its future too, and a callback attached to it
+            # now runs at once (its call before z[0]'s), though the callback attached
+            # before (z[2]'s) runs after this one.
+            res["waited_state"].append([later.is_completed(), later.get_future().done()])
+            later.get_future().then(lambda f: dist.all_reduce(z[3])).wait()
             dist.all_reduce(z[0])
 
         futures = [works[0].get_future().then(waits)]
-        futures += [w.get_future().then(lambda f, t=t: dist.all_reduce(t)) for w, t in zip(works[1:], z[1:])]
+        futures += [w.get_future().then(lambda f, t=t: dist.all_reduce(t)) for w, t in zip(works[1:], z[1:3])]
         for f in futures:
             f.wait()
         res["waits_later"].append([t[0].item() for t in z])
@@ -638,8 +655,8 @@ def test_callbacks_of_futures_taken_late_keep_nccls_order(worlds, world_size):
         assert res["shared"] == [tri, 100 * tri, n, n, n], res
         assert res["nested"] == [tri, 10 * tri, 100 * tri], res
         assert res["waiters"] == [[tri]] * 30, res
-        assert res["waits_later"] == [[tri, 10 * tri, 100 * tri]] * 2, res
-        assert res["waited_is_completed"] == [True, True], res
+        assert res["waits_later"] == [[tri, 10 * tri, 100 * tri, 1000 * tri]] * 4, res
+        assert res["waited_state"] == [[True, True]] * 3 and res["waited_failed"] == [[True, False, True]], res
 
 
 def test_ddp_powersgd_hook_on_several_buckets_trains_as_with_inline_calls(worlds):
