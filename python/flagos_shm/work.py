@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Callable, Optional
 
@@ -94,8 +95,11 @@ class ShmWork:
         pending: ``True`` for a work completed later by :meth:`_complete`.
         abort: called (no arguments) when :meth:`wait` gives up (timeout or Ctrl-C), to
             abort the group so that the running collective stops on every rank.
-        help: called (no arguments, blocking) by :meth:`wait` without a timeout to finish
-            the work on the waiting thread if the progress thread has not started it yet.
+        help: called (blocking) by :meth:`wait` to finish the work on the waiting thread if
+            the progress thread has not started it yet: with no arguments without a
+            timeout; with the timeout in seconds otherwise, when it returns at once unless
+            the waiting thread is in one of the group's completion callbacks, where no
+            other thread may run the work (it then gives up after that long).
         anchor: called (no arguments) by :meth:`_future_taken`: tells the group that
             callbacks may be attached to the work's future (``Progress::anchor`` in the core).
     """
@@ -205,9 +209,15 @@ class ShmWork:
             outer = WAITING.get(ident)
             WAITING[ident] = self
             try:
-                if seconds is None and self._help is not None:
-                    self._help()  # runs it here if still queued; bounded by the group's timeout
-                finished = self._done.wait(seconds)
+                left = seconds
+                if self._help is not None:
+                    if seconds is None:
+                        self._help()  # runs it here if still queued; bounded by the group's timeout
+                    else:
+                        deadline = time.monotonic() + seconds
+                        self._help(seconds)  # in one of the group's callbacks only
+                        left = max(deadline - time.monotonic(), 0.0)
+                finished = self._done.wait(left)
             except BaseException:
                 self._give_up()
                 raise
@@ -302,3 +312,7 @@ class CoalescedWork:
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self._works)
+
+    def exception(self) -> Optional[BaseException]:
+        """The first error among the batch's works (issue order), or None."""
+        return next((e for e in (w.exception() for w in self._works) if e is not None), None)

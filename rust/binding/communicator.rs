@@ -18,7 +18,7 @@ use pyo3::types::PyDict;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// One rank's handle on a group's shared-memory segment (see `rust/algorithms/`).
 ///
@@ -461,15 +461,31 @@ communicator_methods! {
         /// Raises the signal handler's exception (KeyboardInterrupt for Ctrl-C) when a signal
         /// arrives while the call runs on the progress thread; the call itself goes on (the
         /// caller aborts the group to stop it).
-        fn wait_ticket(&self, py: Python<'_>, ticket: u64) -> PyResult<()> {
+        ///
+        /// With `timeout_s` (seconds, a wait with a timeout): returns at once unless called
+        /// from one of this group's completion callbacks, where no other thread may run the
+        /// call (the caller then waits for its completion itself, up to its timeout);
+        /// there it gives up, returning, once `timeout_s` has passed while the call runs
+        /// elsewhere (a call this thread runs ends within the group's timeout).
+        #[pyo3(signature = (ticket, timeout_s=None))]
+        fn wait_ticket(&self, py: Python<'_>, ticket: u64, timeout_s: Option<f64>) -> PyResult<()> {
             self.check_owner()?;
+            let deadline = match timeout_s {
+                None => None,
+                Some(_) if !self.inner.in_own_callback() => return Ok(()),
+                Some(t) => Some(Instant::now() + Duration::from_secs_f64(t.clamp(0.0, 1e9))),
+            };
             let raised: Pending = Arc::new(Mutex::new(None));
-            let stop = || exit::signal_raised(&raised);
+            let stop = || exit::signal_raised(&raised) || deadline.is_some_and(|d| Instant::now() >= d);
             if detach_blocking(py, || self.inner.help_until_or(ticket, &stop)) {
                 return Ok(());
             }
             let err = raised.lock().unwrap_or_else(|p| p.into_inner()).take();
-            Err(err.unwrap_or_else(|| PyRuntimeError::new_err("wait_ticket: interrupted")))
+            match err {
+                Some(err) => Err(err),
+                None if deadline.is_some() => Ok(()), // timed out: the caller says so
+                None => Err(PyRuntimeError::new_err("wait_ticket: interrupted")),
+            }
         }
 
         /// Records that the future of the call that returned `ticket` has been taken (c10d

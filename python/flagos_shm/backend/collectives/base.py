@@ -485,7 +485,8 @@ class CollectiveBase:
         if async_op is True and self._async:
             comm = self._comm
             ticket = 0
-            work = ShmWork(outputs, pending=True, abort=self.abort, help=lambda: comm.wait_ticket(ticket),
+            work = ShmWork(outputs, pending=True, abort=self.abort,
+                           help=lambda *timeout_s: comm.wait_ticket(ticket, *timeout_s),
                            anchor=lambda: comm.anchor(ticket))
 
             def done(error, _inputs=inputs, *, early: bool = False) -> None:  # the core holds done, done the inputs
@@ -537,7 +538,8 @@ class CollectiveBase:
         """
         tickets = [0]
         comm = self._comm
-        work = ShmWork(outputs, pending=True, abort=self.abort, help=lambda: comm.wait_ticket(tickets[0]),
+        work = ShmWork(outputs, pending=True, abort=self.abort,
+                       help=lambda *timeout_s: comm.wait_ticket(tickets[0], *timeout_s),
                        anchor=lambda: comm.anchor(tickets[0]))
         # The core only holds raw addresses: everything the calls read or write (captured
         # by the ``calls`` closures: inputs, scratch and packed buffers) must stay alive

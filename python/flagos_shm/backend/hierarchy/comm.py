@@ -152,8 +152,9 @@ class HierarchicalComm(Algorithms, Protocol):
         groups.release(pgs, abort=False)
         del pgs
 
-    def wait_ticket(self, ticket: int) -> None:
-        self._worker.wait(ticket)
+    def wait_ticket(self, ticket: int, timeout_s: Optional[float] = None) -> None:
+        """``Communicator.wait_ticket``: see :meth:`_Worker.wait`."""
+        self._worker.wait(ticket, timeout_s)
 
     def anchor(self, ticket: int) -> None:
         """The future of call ``ticket`` has been taken (:meth:`_Worker.anchor`)."""

@@ -18,6 +18,7 @@ import collections
 import inspect
 import logging
 import threading
+import time
 from typing import Callable, Optional
 
 _log = logging.getLogger("flagos_shm")
@@ -139,11 +140,16 @@ class _Worker:
                 return
             self._anchors += 1
 
-    def wait(self, ticket: int) -> None:
+    def wait(self, ticket: int, timeout_s: Optional[float] = None) -> None:
         """Return once call ``ticket`` has finished (``done`` returned) or the worker was
-        closed; from one of the worker's callbacks, run the calls up to it on this thread."""
+        closed; from one of the worker's callbacks, run the calls up to it on this thread.
+        With ``timeout_s`` (a wait with a timeout), return at once unless in one of the
+        worker's callbacks (no other thread may run the call there), and there give up
+        after ``timeout_s`` seconds while the call runs elsewhere (the caller says so)."""
         if self._own() is not None:
-            self._help(ticket)
+            self._help(ticket, None if timeout_s is None else time.monotonic() + timeout_s)
+            return
+        if timeout_s is not None:
             return
         with self._cv:
             while ticket in self._unfinished and not (self._stop and not self._jobs and not self._busy):
@@ -175,7 +181,7 @@ class _Worker:
         self._open[job[0]] = job[3]
         return job
 
-    def _help(self, ticket: int) -> None:
+    def _help(self, ticket: int, deadline: Optional[float] = None) -> None:
         """Run queued calls on this thread (one of the worker's callbacks) until ``ticket``
         has finished. If its ``done`` is parked until this callback returns, only its
         results part runs now, ``done(error, early=True)``, and ``done`` stays parked, so
@@ -202,6 +208,8 @@ class _Worker:
                     if not self._busy and any(job[0] == ticket for job in self._jobs):
                         job = self._claim()
                         break
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return
                     self._cv.wait(0.05)
             if whole is not None:
                 self._callback(ticket, *whole)
