@@ -182,6 +182,15 @@ fn lock_callers() -> std::sync::MutexGuard<'static, Vec<(u64, Arc<AtomicBool>)>>
     CALLERS.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Whether the calling thread is one of flagos_shm's progress threads (running a completion
+/// callback, when Python asks): `flagos_shm`'s exit handler joins them as it closes their
+/// groups, so they must go back from a call rather than park there
+/// (`flagos_shm.backend.exiting`).
+#[pyfunction]
+pub(super) fn on_progress_thread() -> bool {
+    crate::progress::on_progress_thread()
+}
+
 /// The ids (as `threading.get_ident()` gives them) of the threads blocked in a call made
 /// through [`detach_blocking`] now: waiting in the core, with no Python code to run until
 /// their call ends, or parked for good after it ended once the exit began. `flagos_shm`'s

@@ -21,7 +21,10 @@ ended by ``destroy_process_group`` just before the main thread returned. So:
 * once it has begun, a thread other than the main one whose call fails parks until the
   process exits instead of going back, and so does a daemon thread whose call succeeds
   (:func:`returning_at_exit`): every non-daemon thread has been joined by then, and the
-  interpreter abandons the rest. (An ``atexit`` handler registered before ``import
+  interpreter abandons the rest. A group's progress thread (in a completion callback that
+  issued a call) goes back instead: the handler closes the busy groups, which joins their
+  progress threads, so one parked there held the exit for good (a callback whose
+  collective the exit aborted). (An ``atexit`` handler registered before ``import
   flagos_shm`` runs after flagos_shm's, and one that joins such a daemon thread waits for
   good; handlers registered later run before it, while the thread still raises.)
 * a thread crossing torch's C++ frames without the GIL when the handler begins, on its way
@@ -107,7 +110,7 @@ def returning_at_exit() -> bool:
     the time the handler runs; one started later (by another ``atexit`` handler) goes back.
     Never raises."""
     thread = threading.current_thread()
-    park = _exiting and thread is not threading.main_thread() and thread.daemon
+    park = _exiting and thread is not threading.main_thread() and thread.daemon and not _core.on_progress_thread()
     if park:
         _parked.add(threading.get_ident())
     return park
@@ -119,7 +122,7 @@ def leaving_with_error() -> bool:
     otherwise records where the thread lands for :func:`wait_for_landings`. Never raises."""
     if threading.current_thread() is threading.main_thread():
         return False
-    if _exiting:
+    if _exiting and not _core.on_progress_thread():
         _parked.add(threading.get_ident())
         return True
     try:
