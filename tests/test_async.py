@@ -385,7 +385,8 @@ def rank_futures_taken_late(rounds: int) -> dict:
       ``wait``), then ``w1.wait()``: the main thread and the progress thread each ran one
       job's callback and waited for the other (before: for good);
     - *waits for a later work*: w1, w2, w3 issued, then w1's callback waits for w3 (or
-      w2; w3 a list-form reduce-scatter; w3 failing) and reduces z1, w2's reduces z2,
+      w2; w3 a list-form reduce-scatter, a coalesced batch, waited for with a timeout, or
+      failing) and reduces z1, w2's reduces z2,
       w3's z3: z1, z2, z3 (before, the wait ran w3's callback, and so z3's call, ahead of
       z1's on the ranks that ran it on the progress thread: reduced crosswise); the waited
       work is complete once ``wait`` returned or raised, its future done, and a callback
@@ -439,20 +440,26 @@ def rank_futures_taken_late(rounds: int) -> dict:
 
     n = dist.get_world_size()
     res["waits_later"], res["waited_state"], res["waited_failed"] = [], [], []
-    for waited, third in ((2, "allreduce"), (1, "allreduce"), (2, "reduce_scatter"), (2, "fails")):
+    cases = ((2, "allreduce"), (1, "allreduce"), (2, "reduce_scatter"), (2, "coalesced"), (2, "timed"), (2, "fails"))
+    for waited, third in cases:
         if rank == 0:
             time.sleep(0.5)
         z = [torch.full((4,), k * (rank + 1.0)) for k in (1, 10, 100, 1000)]
         works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(2)]
         if third == "reduce_scatter":  # the list form: its ``done`` is wrapped (_naming)
             works.append(dist.reduce_scatter(torch.zeros(4), [torch.ones(4)] * n, async_op=True))
+        elif third == "coalesced":  # a CoalescedWork
+            with dist._coalescing_manager(device=torch.device("cpu"), async_ops=True) as cm:
+                dist.all_reduce(torch.ones(3))
+                dist.all_reduce(torch.ones(5))
+            works.append(cm.works[0])
         else:  # "fails": the ranks pass different sizes (ValueError on every rank)
             works.append(dist.all_reduce(torch.ones(4 + rank * (third == "fails")), async_op=True))
         late()
 
         def waits(fut, later=works[waited], third=third):
             try:
-                later.wait()
+                later.wait(timeout=timedelta(seconds=60)) if third == "timed" else later.wait()
             except ValueError:
                 res["waited_failed"].append([later.is_completed(), later.is_success(), later.exception() is not None])
                 dist.all_reduce(z[3])
@@ -655,8 +662,8 @@ def test_callbacks_of_futures_taken_late_keep_nccls_order(worlds, world_size):
         assert res["shared"] == [tri, 100 * tri, n, n, n], res
         assert res["nested"] == [tri, 10 * tri, 100 * tri], res
         assert res["waiters"] == [[tri]] * 30, res
-        assert res["waits_later"] == [[tri, 10 * tri, 100 * tri, 1000 * tri]] * 4, res
-        assert res["waited_state"] == [[True, True]] * 3 and res["waited_failed"] == [[True, False, True]], res
+        assert res["waits_later"] == [[tri, 10 * tri, 100 * tri, 1000 * tri]] * 6, res
+        assert res["waited_state"] == [[True, True]] * 5 and res["waited_failed"] == [[True, False, True]], res
 
 
 def test_ddp_powersgd_hook_on_several_buckets_trains_as_with_inline_calls(worlds):

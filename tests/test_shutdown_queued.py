@@ -108,6 +108,52 @@ def test_exit_with_queued_work_shuts_the_group_down():
     assert res[1]["error"] is not None and "aborted by rank 0" in res[1]["error"], res
 
 
+def rank_exits_while_a_callback_waits_in_a_collective(rank: int, world_size: int, tmp: str) -> dict:
+    """Rank 0's completion callback, on the progress thread, issues an all_reduce that rank 1
+    never issues, and rank 0's main thread returns meanwhile; rank 1 waits for rank 0's
+    process to end."""
+    import flagos_shm  # noqa: F401  (registers the backend and its exit handler)
+    from flagos_shm import _core
+
+    dist.init_process_group("flagos_shm", init_method="file://" + os.path.join(tmp, "store"), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    t, x = torch.ones(16), torch.ones(16)
+    dist.all_reduce(t)  # both ranks set up and in step
+    work = dist.all_reduce(t, async_op=True)
+    pid_file = os.path.join(tmp, "rank0.pid")
+    if rank == 0:
+        entered = []
+        work.get_future().then(lambda f: entered.append(True) or dist.all_reduce(x))
+        end = time.monotonic() + GROUP_TIMEOUT_S
+        while not entered:  # the callback has started (its all_reduce waits for rank 1)
+            assert time.monotonic() < end, "the callback did not run"
+            time.sleep(0.01)
+        with open(pid_file + ".tmp", "w") as f:
+            f.write(str(os.getpid()))
+        os.replace(pid_file + ".tmp", pid_file)
+        return {"sum": t[0].item()}
+    work.wait()
+    end = time.monotonic() + GROUP_TIMEOUT_S
+    while not os.path.exists(pid_file):
+        assert time.monotonic() < end, "rank 0 did not write its pid"
+        time.sleep(0.01)
+    pid = int(open(pid_file).read())
+    while not _core.process_exited(pid):
+        assert time.monotonic() < end, "rank 0 did not exit"
+        time.sleep(0.01)
+    return {"sum": t[0].item(), "exited_s": round(GROUP_TIMEOUT_S - (end - time.monotonic()), 3)}
+
+
+def test_exit_while_a_callback_waits_in_a_collective_is_prompt():
+    """The exit handler closes the busy group, which aborts the callback's all_reduce and
+    joins the progress thread. Before, that thread, leaving the failed call after the
+    handler had begun, parked for good (as other threads do there), and the join waited
+    for it: rank 0 never exited."""
+    res = spawn(rank_exits_while_a_callback_waits_in_a_collective, 2, timeout=3 * GROUP_TIMEOUT_S)
+    assert res[0] == {"sum": 4.0} and res[1]["sum"] == 4.0, res  # 1+1, then 2+2
+    assert res[1]["exited_s"] < PROMPT_S, res
+
+
 def rank_calls_after_the_exit_handler(rank: int, world_size: int, tmp: str) -> dict:
     import flagos_shm  # noqa: F401  (registers the backend and its exit handler)
     from flagos_shm.backend.collectives import base
