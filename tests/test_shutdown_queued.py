@@ -62,24 +62,22 @@ def test_destroy_with_unmatched_queued_collectives_is_prompt(backend):
     assert len(queued) >= 2, res
 
 
-def rank_exits_with_queued_work(rank: int, world_size: int, tmp: str) -> dict:
-    """Rank 0 queues an all_reduce that rank 1 does not issue and exits without waiting for
-    it; rank 1 issues it once rank 0's process has ended."""
-    import flagos_shm  # noqa: F401  (registers the backend and its exit handler)
+def publish_pid(tmp: str) -> None:
+    """Rank 0: write this process's pid for :func:`wait_for_rank0_to_exit`."""
+    pid_file = os.path.join(tmp, "rank0.pid")
+    with open(pid_file + ".tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(pid_file + ".tmp", pid_file)
+
+
+def wait_for_rank0_to_exit(tmp: str) -> float:
+    """Wait until rank 0 has published its pid (:func:`publish_pid`) and its process has
+    ended; return the seconds that took (AssertionError past ``GROUP_TIMEOUT_S``)."""
     from flagos_shm import _core
 
-    dist.init_process_group("flagos_shm", init_method="file://" + os.path.join(tmp, "store"), rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    t = torch.ones(1 << 12)
-    dist.all_reduce(t)  # both ranks set up and in step
     pid_file = os.path.join(tmp, "rank0.pid")
-    if rank == 0:
-        with open(pid_file + ".tmp", "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(pid_file + ".tmp", pid_file)
-        dist.all_reduce(t, async_op=True)  # queued, never waited for: left to the exit handler
-        return {"sum": t[0].item()}
-    end = time.monotonic() + GROUP_TIMEOUT_S
+    start = time.monotonic()
+    end = start + GROUP_TIMEOUT_S
     while not os.path.exists(pid_file):
         assert time.monotonic() < end, "rank 0 did not write its pid"
         time.sleep(0.01)
@@ -87,6 +85,23 @@ def rank_exits_with_queued_work(rank: int, world_size: int, tmp: str) -> dict:
     while not _core.process_exited(pid):
         assert time.monotonic() < end, "rank 0 did not exit"
         time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def rank_exits_with_queued_work(rank: int, world_size: int, tmp: str) -> dict:
+    """Rank 0 queues an all_reduce that rank 1 does not issue and exits without waiting for
+    it; rank 1 issues it once rank 0's process has ended."""
+    import flagos_shm  # noqa: F401  (registers the backend and its exit handler)
+
+    dist.init_process_group("flagos_shm", init_method="file://" + os.path.join(tmp, "store"), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    t = torch.ones(1 << 12)
+    dist.all_reduce(t)  # both ranks set up and in step
+    if rank == 0:
+        publish_pid(tmp)
+        dist.all_reduce(t, async_op=True)  # queued, never waited for: left to the exit handler
+        return {"sum": t[0].item()}
+    wait_for_rank0_to_exit(tmp)
     try:
         dist.all_reduce(t)
         error = None
@@ -113,14 +128,12 @@ def rank_exits_while_a_callback_waits_in_a_collective(rank: int, world_size: int
     never issues, and rank 0's main thread returns meanwhile; rank 1 waits for rank 0's
     process to end."""
     import flagos_shm  # noqa: F401  (registers the backend and its exit handler)
-    from flagos_shm import _core
 
     dist.init_process_group("flagos_shm", init_method="file://" + os.path.join(tmp, "store"), rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     t, x = torch.ones(16), torch.ones(16)
     dist.all_reduce(t)  # both ranks set up and in step
     work = dist.all_reduce(t, async_op=True)
-    pid_file = os.path.join(tmp, "rank0.pid")
     if rank == 0:
         entered = []
         work.get_future().then(lambda f: entered.append(True) or dist.all_reduce(x))
@@ -128,20 +141,10 @@ def rank_exits_while_a_callback_waits_in_a_collective(rank: int, world_size: int
         while not entered:  # the callback has started (its all_reduce waits for rank 1)
             assert time.monotonic() < end, "the callback did not run"
             time.sleep(0.01)
-        with open(pid_file + ".tmp", "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(pid_file + ".tmp", pid_file)
+        publish_pid(tmp)
         return {"sum": t[0].item()}
     work.wait()
-    end = time.monotonic() + GROUP_TIMEOUT_S
-    while not os.path.exists(pid_file):
-        assert time.monotonic() < end, "rank 0 did not write its pid"
-        time.sleep(0.01)
-    pid = int(open(pid_file).read())
-    while not _core.process_exited(pid):
-        assert time.monotonic() < end, "rank 0 did not exit"
-        time.sleep(0.01)
-    return {"sum": t[0].item(), "exited_s": round(GROUP_TIMEOUT_S - (end - time.monotonic()), 3)}
+    return {"sum": t[0].item(), "exited_s": round(wait_for_rank0_to_exit(tmp), 3)}
 
 
 def test_exit_while_a_callback_waits_in_a_collective_is_prompt():

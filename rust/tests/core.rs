@@ -650,11 +650,15 @@ enum Anchor {
     AfterSecond,
 }
 
-/// Two ranks; rank 0 queues two jobs before rank 1 joins any collective (so the second is
-/// queued when the first one's callback runs), and the first one's callback issues a third
-/// call with `issue`. Rank 1 runs three barriers inline. Returns rank 0's log of callbacks
-/// (tickets, "1 returned" when the first callback returns) once every callback has run.
-fn callback_issues_a_call(anchor: Anchor, issue: fn(&flagos_shm::progress::Progress, &std::sync::Mutex<Vec<String>>)) -> Vec<String> {
+/// The log of rank 0's callbacks, shared with them.
+type Log = Arc<std::sync::Mutex<Vec<String>>>;
+
+/// Two ranks, three barriers each. Rank 0 queues its jobs with `queue` (given its progress
+/// and the log its callbacks write to) before rank 1 joins any collective (so they are all
+/// queued when the first one's callback runs); rank 1 runs three barriers inline. Returns
+/// rank 0's log once it has `entries` entries (the callbacks get through on the progress
+/// thread: nothing here helps).
+fn rank0_log(entries: usize, queue: impl FnOnce(&Arc<flagos_shm::progress::Progress>, &Log)) -> Vec<String> {
     use flagos_shm::progress::Progress;
     use std::sync::{mpsc, Mutex};
     let dir = tmpdir();
@@ -663,42 +667,18 @@ fn callback_issues_a_call(anchor: Anchor, issue: fn(&flagos_shm::progress::Progr
     let (go, queued) = mpsc::channel::<()>();
     let peer = std::thread::spawn(move || {
         let prog = Progress::new(Communicator::attach(&p, 1, 2, Duration::from_secs(20)).unwrap());
-        queued.recv().unwrap(); // rank 0 has queued both jobs
+        queued.recv().unwrap(); // rank 0 has queued its jobs
         for _ in 0..3 {
             prog.run(|c| c.barrier()).unwrap();
         }
         prog.close();
     });
     let prog = Arc::new(Progress::new(Communicator::attach(&path, 0, 2, Duration::from_secs(20)).unwrap()));
-    let log = Arc::new(Mutex::new(Vec::new()));
-    let (p2, l2) = (Arc::clone(&prog), Arc::clone(&log));
-    let first = prog.submit(
-        Box::new(|c| c.barrier()),
-        Box::new(move |res| {
-            res.unwrap();
-            issue(&p2, &l2);
-            l2.lock().unwrap().push("1 returned".to_string());
-        }),
-    );
-    if anchor == Anchor::BeforeSecond {
-        prog.anchor(first);
-    }
-    let l3 = Arc::clone(&log);
-    let second = prog.submit(
-        Box::new(|c| c.barrier()),
-        Box::new(move |res| {
-            res.unwrap();
-            l3.lock().unwrap().push("2".to_string());
-        }),
-    );
-    assert_eq!((first, second), (1, 2));
-    if anchor == Anchor::AfterSecond {
-        prog.anchor(first);
-    }
+    let log: Log = Arc::new(Mutex::new(Vec::new()));
+    queue(&prog, &log);
     go.send(()).unwrap();
-    // Not help_until on this thread: the callbacks must get through on the progress thread.
     let t = std::time::Instant::now();
-    while log.lock().unwrap().len() < 3 {
+    while log.lock().unwrap().len() < entries {
         assert!(t.elapsed() < Duration::from_secs(20), "stuck: {:?}", log.lock().unwrap());
         std::thread::sleep(Duration::from_millis(1));
     }
@@ -707,6 +687,38 @@ fn callback_issues_a_call(anchor: Anchor, issue: fn(&flagos_shm::progress::Progr
     std::fs::remove_dir_all(&dir).unwrap();
     let log = log.lock().unwrap().clone();
     log
+}
+
+/// Rank 0 ([`rank0_log`]) queues two jobs, and the first one's callback issues a third
+/// call with `issue`. Returns rank 0's log of callbacks (tickets, "1 returned" when the
+/// first callback returns) once every callback has run.
+fn callback_issues_a_call(anchor: Anchor, issue: fn(&flagos_shm::progress::Progress, &std::sync::Mutex<Vec<String>>)) -> Vec<String> {
+    rank0_log(3, |prog, log| {
+        let (p2, l2) = (Arc::clone(prog), Arc::clone(log));
+        let first = prog.submit(
+            Box::new(|c| c.barrier()),
+            Box::new(move |res| {
+                res.unwrap();
+                issue(&p2, &l2);
+                l2.lock().unwrap().push("1 returned".to_string());
+            }),
+        );
+        if anchor == Anchor::BeforeSecond {
+            prog.anchor(first);
+        }
+        let l3 = Arc::clone(log);
+        let second = prog.submit(
+            Box::new(|c| c.barrier()),
+            Box::new(move |res| {
+                res.unwrap();
+                l3.lock().unwrap().push("2".to_string());
+            }),
+        );
+        assert_eq!((first, second), (1, 2));
+        if anchor == Anchor::AfterSecond {
+            prog.anchor(first);
+        }
+    })
 }
 
 /// A completion callback that issues a synchronous collective while a later job is queued
@@ -768,70 +780,46 @@ enum ResultsPart {
     Declines,
 }
 
-/// Three jobs queued, then the first's and the third's futures taken (anchored, the first
-/// before the third); the first's callback waits for the third. Returns rank 0's log once
-/// every callback has run: the third job given a results part delivers its results to the
-/// wait and runs its callback only after the first's has returned, as NCCL would (it was
-/// attached later); without one, or if it declines, the wait runs its whole callback.
+/// Three jobs queued ([`rank0_log`]), then the first's and the third's futures taken
+/// (anchored, the first before the third); the first's callback waits for the third.
+/// Returns rank 0's log once every callback has run: the third job given a results part
+/// delivers its results to the wait and runs its callback only after the first's has
+/// returned, as NCCL would (it was attached later); without one, or if it declines, the
+/// wait runs its whole callback.
 fn callback_waits_for_a_later_anchored_job(part: ResultsPart) -> Vec<String> {
-    use flagos_shm::progress::Progress;
-    use std::sync::{mpsc, Mutex};
-    let dir = tmpdir();
-    let path = segment::create(&dir, 2, SLOT).unwrap();
-    let p = path.clone();
-    let (go, queued) = mpsc::channel::<()>();
-    let peer = std::thread::spawn(move || {
-        let prog = Progress::new(Communicator::attach(&p, 1, 2, Duration::from_secs(20)).unwrap());
-        queued.recv().unwrap();
-        for _ in 0..3 {
-            prog.run(|c| c.barrier()).unwrap();
-        }
-        prog.close();
-    });
-    let prog = Arc::new(Progress::new(Communicator::attach(&path, 0, 2, Duration::from_secs(20)).unwrap()));
-    let log = Arc::new(Mutex::new(Vec::<String>::new()));
-    let note = |log: &Arc<Mutex<Vec<String>>>, what: &'static str| {
+    let note = |log: &Log, what: &'static str| {
         let log = Arc::clone(log);
         move |res: flagos_shm::Result<()>| {
             res.unwrap();
             log.lock().unwrap().push(what.to_string());
         }
     };
-    let (p1, l1) = (Arc::clone(&prog), Arc::clone(&log));
-    let first = prog.submit(
-        Box::new(|c| c.barrier()),
-        Box::new(move |res| {
-            res.unwrap();
-            p1.help_until(3);
-            l1.lock().unwrap().push("wait returned".to_string());
-            l1.lock().unwrap().push("1 returned".to_string());
-        }),
-    );
-    prog.submit(Box::new(|c| c.barrier()), Box::new(note(&log, "2")));
-    let delivered = note(&log, "3 results");
-    let results: Option<flagos_shm::progress::Results> = match part {
-        ResultsPart::None => None,
-        ResultsPart::Delivers => Some(Box::new(move |res| {
-            delivered(res);
-            None
-        })),
-        ResultsPart::Declines => Some(Box::new(Some)),
-    };
-    let third = prog.submit_with_results(Box::new(|c| c.barrier()), results, Box::new(note(&log, "3 done")));
-    assert_eq!((first, third), (1, 3));
-    prog.anchor(first);
-    prog.anchor(third);
-    go.send(()).unwrap();
-    let t = std::time::Instant::now();
-    while log.lock().unwrap().len() < 4 + usize::from(part == ResultsPart::Delivers) {
-        assert!(t.elapsed() < Duration::from_secs(20), "stuck: {:?}", log.lock().unwrap());
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    peer.join().unwrap();
-    prog.close();
-    std::fs::remove_dir_all(&dir).unwrap();
-    let log = log.lock().unwrap().clone();
-    log
+    rank0_log(4 + usize::from(part == ResultsPart::Delivers), |prog, log| {
+        let (p1, l1) = (Arc::clone(prog), Arc::clone(log));
+        let first = prog.submit(
+            Box::new(|c| c.barrier()),
+            Box::new(move |res| {
+                res.unwrap();
+                p1.help_until(3);
+                l1.lock().unwrap().push("wait returned".to_string());
+                l1.lock().unwrap().push("1 returned".to_string());
+            }),
+        );
+        prog.submit(Box::new(|c| c.barrier()), Box::new(note(log, "2")));
+        let delivered = note(log, "3 results");
+        let results: Option<flagos_shm::progress::Results> = match part {
+            ResultsPart::None => None,
+            ResultsPart::Delivers => Some(Box::new(move |res| {
+                delivered(res);
+                None
+            })),
+            ResultsPart::Declines => Some(Box::new(Some)),
+        };
+        let third = prog.submit_with_results(Box::new(|c| c.barrier()), results, Box::new(note(log, "3 done")));
+        assert_eq!((first, third), (1, 3));
+        prog.anchor(first);
+        prog.anchor(third);
+    })
 }
 
 #[test]
