@@ -46,6 +46,7 @@ use std::cell::Cell;
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::Instant;
 
 /// How often [`Progress::help_until_or`] asks its `stop` hook while it waits.
 pub const STOP_CHECK: std::time::Duration = std::time::Duration::from_millis(20);
@@ -361,8 +362,29 @@ impl Shared {
     /// the callback ([`Progress::help_until`]) runs its results part then (the callback
     /// stays parked), or, if it has none, the whole callback.
     fn execute(&self, job: Job, seq: u64) {
+        self.execute_by(job, seq, None);
+    }
+
+    /// [`Self::execute`], the job's collective given up by `deadline` if it has one: the
+    /// communicator's timeout, for that job, is at most the time left (a wait with a
+    /// timeout that runs the job itself gives up then, aborting the group, as it would
+    /// if another thread ran the job).
+    fn execute_by(&self, job: Job, seq: u64, deadline: Option<Instant>) {
         let cancelled = lock(&self.state).cancelled;
-        let result = if cancelled { Err(Error::Aborted(SHUT_DOWN.into())) } else { self.with_comm(job.task) };
+        let result = if cancelled {
+            Err(Error::Aborted(SHUT_DOWN.into()))
+        } else {
+            self.with_comm(|comm| match deadline {
+                None => (job.task)(comm),
+                Some(d) => {
+                    let saved = comm.timeout();
+                    comm.set_timeout(saved.min(d.saturating_duration_since(Instant::now())));
+                    let result = (job.task)(comm);
+                    comm.set_timeout(saved);
+                    result
+                }
+            })
+        };
         self.release();
         let under = self.own_callback();
         {
@@ -647,6 +669,12 @@ impl Progress {
     /// [`STOP_CHECK`] while the job runs elsewhere, with no lock held; e.g. Ctrl-C).
     /// Returns `false` when it gave up; the job itself goes on.
     pub fn help_until_or(&self, ticket: u64, stop: &dyn Fn() -> bool) -> bool {
+        self.help_until_by(ticket, stop, None)
+    }
+
+    /// [`Self::help_until_or`], giving up at `deadline` too (a wait with a timeout): a job
+    /// it runs on this thread gets at most the time left ([`Shared::execute_by`]).
+    pub fn help_until_by(&self, ticket: u64, stop: &dyn Fn() -> bool, deadline: Option<Instant>) -> bool {
         let _suspended = self.shared.suspend();
         let me = std::thread::current().id();
         loop {
@@ -669,7 +697,7 @@ impl Progress {
                     st = guard;
                     if waited.timed_out() {
                         drop(st);
-                        if stop() {
+                        if stop() || deadline.is_some_and(|d| Instant::now() >= d) {
                             return false;
                         }
                         st = lock(&self.shared.state);
@@ -677,7 +705,7 @@ impl Progress {
                 }
             };
             match next {
-                Helped::Job(job, seq) => self.shared.execute(job, seq),
+                Helped::Job(job, seq) => self.shared.execute_by(job, seq, deadline),
                 Helped::Callback(done, result) => self.shared.callback(ticket, done, result),
                 Helped::Results(results, result) => {
                     if let Some(result) = results(result) {

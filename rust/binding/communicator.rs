@@ -465,8 +465,8 @@ communicator_methods! {
         /// With `timeout_s` (seconds, a wait with a timeout): returns at once unless called
         /// from one of this group's completion callbacks, where no other thread may run the
         /// call (the caller then waits for its completion itself, up to its timeout);
-        /// there it gives up, returning, once `timeout_s` has passed while the call runs
-        /// elsewhere (a call this thread runs ends within the group's timeout).
+        /// there it gives up, returning, once `timeout_s` has passed (a call it runs itself
+        /// gets at most the time left as its timeout, and then fails with `Timeout`).
         #[pyo3(signature = (ticket, timeout_s=None))]
         fn wait_ticket(&self, py: Python<'_>, ticket: u64, timeout_s: Option<f64>) -> PyResult<()> {
             self.check_owner()?;
@@ -476,8 +476,8 @@ communicator_methods! {
                 Some(t) => Some(Instant::now() + Duration::from_secs_f64(t.clamp(0.0, 1e9))),
             };
             let raised: Pending = Arc::new(Mutex::new(None));
-            let stop = || exit::signal_raised(&raised) || deadline.is_some_and(|d| Instant::now() >= d);
-            if detach_blocking(py, || self.inner.help_until_or(ticket, &stop)) {
+            let stop = || exit::signal_raised(&raised);
+            if detach_blocking(py, || self.inner.help_until_by(ticket, &stop, deadline)) {
                 return Ok(());
             }
             let err = raised.lock().unwrap_or_else(|p| p.into_inner()).take();
