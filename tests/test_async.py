@@ -226,6 +226,36 @@ def rank_wait_timeout() -> dict:
     return out
 
 
+def rank_timed_wait_in_callback() -> dict:
+    """A completion callback's Work.wait(timeout) on a collective its peer never issues:
+    the callback's thread runs it (no other thread may), for at most the timeout."""
+    rank = dist.get_rank()
+    group = dist.new_group(list(range(dist.get_world_size())))
+    out = {}
+    try:
+        t = torch.ones(8)
+        first = dist.all_reduce(t, group=group, async_op=True)
+        if rank == 0:
+            never = dist.all_reduce(torch.ones(8), group=group, async_op=True)  # rank 1 never issues it
+
+            def waits(fut) -> None:
+                t0 = time.perf_counter()
+                try:
+                    never.wait(timeout=timedelta(seconds=0.5))
+                    out["wait"] = "no error"
+                except RuntimeError as exc:
+                    out["wait"] = f"RuntimeError: {exc}"
+                out["waited_s"] = time.perf_counter() - t0
+
+            first.get_future().then(waits).wait()
+            out["never"] = [never.is_completed(), never.is_success()]
+        first.wait()
+        out["later"] = _later_call(group, t)
+    finally:
+        dist.destroy_process_group(group)
+    return out
+
+
 def rank_idle_thread(idle_s: float) -> dict:
     """After async calls, the group's progress thread parks on its condition variable and
     does not wake while nothing is submitted, nor for synchronous calls (the core counts its wakeups: no CPU-time
@@ -580,6 +610,16 @@ def test_wait_timeout_aborts_the_group(worlds):
     r0, r1 = worlds(2).run(rank_wait_timeout)
     assert r0["wait"].startswith("RuntimeError") and "did not complete within 0.300 s" in r0["wait"], r0
     assert 0.25 < r0["waited_s"] < 5, r0
+    for res in (r0, r1):
+        assert res["later"].startswith("RuntimeError") and "abort" in res["later"], res
+
+
+def test_wait_timeout_in_a_callback_gives_up_after_the_timeout(worlds):
+    # Before: the callback's wait ran nothing (no other thread may run the call there) and
+    # gave up at its timeout; then, running the call itself, only at the group's (45 s).
+    r0, r1 = worlds(2).run(rank_timed_wait_in_callback)
+    assert r0["wait"].startswith("RuntimeError") and r0["waited_s"] < 20, r0
+    assert r0["never"] == [True, False], r0
     for res in (r0, r1):
         assert res["later"].startswith("RuntimeError") and "abort" in res["later"], res
 
