@@ -234,6 +234,8 @@ def rank_timed_wait_in_callback() -> dict:
     out = {}
     try:
         t = torch.ones(8)
+        if rank == 1:
+            dist.barrier()  # rank 0 has attached its callback: it runs on the progress thread
         first = dist.all_reduce(t, group=group, async_op=True)
         if rank == 0:
             never = dist.all_reduce(torch.ones(8), group=group, async_op=True)  # rank 1 never issues it
@@ -247,7 +249,9 @@ def rank_timed_wait_in_callback() -> dict:
                     out["wait"] = f"RuntimeError: {exc}"
                 out["waited_s"] = time.perf_counter() - t0
 
-            first.get_future().then(waits).wait()
+            done = first.get_future().then(waits)
+            dist.barrier()
+            done.wait()
             out["never"] = [never.is_completed(), never.is_success()]
         first.wait()
         out["later"] = _later_call(group, t)

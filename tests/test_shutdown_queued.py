@@ -133,17 +133,24 @@ def rank_exits_while_a_callback_waits_in_a_collective(rank: int, world_size: int
                             world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
     t, x = torch.ones(16), torch.ones(16)
     dist.all_reduce(t)  # both ranks set up and in step
-    work = dist.all_reduce(t, async_op=True)
+    attached = os.path.join(tmp, "attached")
+    end = time.monotonic() + GROUP_TIMEOUT_S
     if rank == 0:
+        # Attached before rank 1 issues its part, so that the work cannot have completed
+        # yet (a callback attached to a completed future runs at once, on this thread).
+        work = dist.all_reduce(t, async_op=True)
         entered = []
         work.get_future().then(lambda f: entered.append(True) or dist.all_reduce(x))
-        end = time.monotonic() + GROUP_TIMEOUT_S
+        open(attached, "w").close()
         while not entered:  # the callback has started (its all_reduce waits for rank 1)
             assert time.monotonic() < end, "the callback did not run"
             time.sleep(0.01)
         publish_pid(tmp)
         return {"sum": t[0].item()}
-    work.wait()
+    while not os.path.exists(attached):
+        assert time.monotonic() < end, "rank 0 did not attach its callback"
+        time.sleep(0.01)
+    dist.all_reduce(t, async_op=True).wait()
     return {"sum": t[0].item(), "exited_s": round(wait_for_rank0_to_exit(tmp), 3)}
 
 
