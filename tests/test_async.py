@@ -665,6 +665,36 @@ def test_latch_wakes_every_waiter_once_set_and_times_out_before():
     assert latch.wait() is True and latch.wait(0) is True
 
 
+def test_accepts_early_tells_which_dones_can_run_in_two_parts():
+    """``_core.accepts_early`` (the binding's check, used by the core and the multi-node
+    worker before calling ``done(error, early=True)``): True for the dones that take the
+    ``early`` keyword or any keyword, False for others and where no signature is known;
+    the expected values are written out, not asked of ``inspect``."""
+    import functools
+
+    from flagos_shm import _core
+
+    class Done:
+        def __call__(self, error, early=False):
+            pass
+
+    cases = [
+        (lambda error, early=False: None, True),
+        (lambda error, *, early: None, True),
+        (lambda error, **kw: None, True),
+        (Done(), True),
+        (functools.partial(lambda tag, error, early=False: None, "t"), True),
+        (lambda error: None, False),
+        (lambda error, *args: None, False),
+        (lambda error, late=False: None, False),
+        (len, False),          # a builtin: a signature without ``early``
+        (dict.fromkeys, False),
+        (max, False),          # inspect.signature raises ValueError: no signature known
+    ]
+    got = [(_core.accepts_early(done), want) for done, want in cases]
+    assert [g for g, _ in got] == [w for _, w in got], got
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_collectives_issued_from_completion_callbacks_complete(worlds, world_size):
     check_collectives_from_callbacks(worlds(world_size).run(rank_collectives_from_callbacks, "cpu"), world_size)

@@ -180,11 +180,10 @@ impl PyCommunicator {
     }
 }
 
-/// Whether the Python completion callback held in `cell` takes the `early` keyword (or any
-/// keyword), so that its results part can run alone; asked only when that part is needed
-/// (rarely), so `inspect.signature` costs nothing per call. A callback that does not is
-/// run whole, as before the two parts existed, rather than failing and leaving its work
-/// incomplete for good.
+/// Whether the Python completion callback held in `cell` takes the `early` keyword; asked
+/// only when its results part is needed (rarely), so `inspect.signature` costs nothing per
+/// call. A callback that does not is run whole, as before the two parts existed, rather
+/// than failing and leaving its work incomplete for good.
 fn takes_early(cell: &Mutex<Option<Py<PyAny>>>) -> bool {
     let (_entry, may_enter) = exit::Entry::callback();
     if !may_enter {
@@ -192,23 +191,29 @@ fn takes_early(cell: &Mutex<Option<Py<PyAny>>>) -> bool {
     }
     Python::attach(|py| {
         let slot = cell.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(callback) = slot.as_ref() else {
-            return false;
-        };
-        let check = || -> PyResult<bool> {
-            let parameters = py.import("inspect")?.call_method1("signature", (callback.bind(py),))?.getattr("parameters")?;
-            if parameters.contains("early")? {
+        slot.as_ref().is_some_and(|callback| accepts_early(callback.bind(py)))
+    })
+}
+
+/// Whether the completion callback `done` takes the `early` keyword (or any keyword), so
+/// that it can be called in two parts, `done(error, early=True)` then `done(None)`
+/// (`Progress::submit_with_results`). False where `inspect.signature` cannot tell.
+/// `flagos_shm.backend.hierarchy.worker` asks the same of its callbacks through this.
+#[pyfunction]
+pub(super) fn accepts_early(done: &Bound<'_, PyAny>) -> bool {
+    let check = || -> PyResult<bool> {
+        let parameters = done.py().import("inspect")?.call_method1("signature", (done,))?.getattr("parameters")?;
+        if parameters.contains("early")? {
+            return Ok(true);
+        }
+        for p in parameters.call_method0("values")?.try_iter()? {
+            if p?.getattr("kind")?.getattr("name")?.extract::<String>()? == "VAR_KEYWORD" {
                 return Ok(true);
             }
-            for p in parameters.call_method0("values")?.try_iter()? {
-                if p?.getattr("kind")?.getattr("name")?.extract::<String>()? == "VAR_KEYWORD" {
-                    return Ok(true);
-                }
-            }
-            Ok(false)
-        };
-        check().unwrap_or(false)
-    })
+        }
+        Ok(false)
+    };
+    check().unwrap_or(false)
 }
 
 /// Calls the Python completion callback held in `cell` with the job's result: `None` or

@@ -107,6 +107,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(exit::python_exiting, m)?)?;
     m.add_function(wrap_pyfunction!(exit::threads_in_calls, m)?)?;
     m.add_function(wrap_pyfunction!(exit::on_progress_thread, m)?)?;
+    m.add_function(wrap_pyfunction!(communicator::accepts_early, m)?)?;
     m.add_function(wrap_pyfunction!(staging::copy_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(reduce::reduce_into, m)?)?;
     m.add_function(wrap_pyfunction!(reduce::convert_into, m)?)?;

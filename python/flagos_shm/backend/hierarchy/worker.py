@@ -15,25 +15,16 @@ other thread can start a later one while a callback runs.)
 from __future__ import annotations
 
 import collections
-import inspect
 import logging
 import threading
 import time
 from typing import Callable, Optional
 
+from ... import _core
+
 _log = logging.getLogger("flagos_shm")
 
 _SHUT_DOWN = "the process group has been shut down"
-
-
-def _takes_early(done: Callable) -> bool:
-    """Whether ``done`` takes the ``early`` keyword (or any keyword), so that its results
-    part can run alone (``takes_early`` in the core's binding)."""
-    try:
-        parameters = inspect.signature(done).parameters
-    except (TypeError, ValueError):
-        return False
-    return "early" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
 class _Worker:
@@ -198,7 +189,7 @@ class _Worker:
                     if entry is not None:
                         if entry[3]:
                             return  # its results are in
-                        if not _takes_early(entry[1]):  # run whole, as the core does
+                        if not _core.accepts_early(entry[1]):  # run whole, as the core does
                             _, done, error, _ = self._parked.pop(ticket)
                             whole = (done, error)
                             break
