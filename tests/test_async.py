@@ -204,6 +204,18 @@ def _later_call(group, t) -> str:
         return f"RuntimeError: {exc}"
 
 
+
+def _timed_wait(work, seconds: float, out: dict) -> None:
+    """``work.wait(timeout=seconds)``; record in ``out`` how it ended (``"wait"``) and how
+    long it took (``"waited_s"``, seconds)."""
+    t0 = time.perf_counter()
+    try:
+        work.wait(timeout=timedelta(seconds=seconds))
+        out["wait"] = "no error"
+    except RuntimeError as exc:
+        out["wait"] = f"RuntimeError: {exc}"
+    out["waited_s"] = time.perf_counter() - t0
+
 def rank_wait_timeout() -> dict:
     """Work.wait(timeout) on a collective a peer joins too late: RuntimeError, group aborted."""
     rank = dist.get_rank()
@@ -213,13 +225,7 @@ def rank_wait_timeout() -> dict:
         t = torch.ones(8)
         if rank == 0:
             work = dist.all_reduce(t, group=group, async_op=True)
-            t0 = time.perf_counter()
-            try:
-                work.wait(timeout=timedelta(seconds=0.3))
-                out["wait"] = "no error"
-            except RuntimeError as exc:
-                out["wait"] = f"RuntimeError: {exc}"
-            out["waited_s"] = time.perf_counter() - t0
+            _timed_wait(work, 0.3, out)
         out["later"] = _later_call(group, t)
     finally:
         dist.destroy_process_group(group)
@@ -241,13 +247,7 @@ def rank_timed_wait_in_callback() -> dict:
             never = dist.all_reduce(torch.ones(8), group=group, async_op=True)  # rank 1 never issues it
 
             def waits(fut) -> None:
-                t0 = time.perf_counter()
-                try:
-                    never.wait(timeout=timedelta(seconds=0.5))
-                    out["wait"] = "no error"
-                except RuntimeError as exc:
-                    out["wait"] = f"RuntimeError: {exc}"
-                out["waited_s"] = time.perf_counter() - t0
+                _timed_wait(never, 0.5, out)
 
             done = first.get_future().then(waits)
             dist.barrier()
