@@ -218,11 +218,9 @@ def _local_params(world_size: int, steps: int = 3) -> list:
     return [p.detach().clone() for p in model.parameters()]
 
 
-def _ddp_vs_local(dev: torch.device, steps: int = 3) -> bool:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+def _train(model: torch.nn.Module, dev: torch.device, steps: int) -> None:
+    """``steps`` SGD steps (lr 0.1) of ``model`` on this rank's 4 rows of each batch."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    model = DDP(_model(seed=rank).to(dev), device_ids=[dev.index])  # different starts: DDP broadcasts rank 0's
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
         x, y = _batch(step, n)
@@ -230,6 +228,15 @@ def _ddp_vs_local(dev: torch.device, steps: int = 3) -> bool:
         rows = slice(rank * 4, (rank + 1) * 4)
         torch.nn.functional.mse_loss(model(x[rows].to(dev)), y[rows].to(dev)).backward()
         opt.step()
+
+
+def _ddp_vs_local(dev: torch.device, steps: int = 3) -> bool:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    n = dist.get_world_size()
+    # Different starts on each rank: DDP broadcasts rank 0's.
+    model = DDP(_model(seed=dist.get_rank()).to(dev), device_ids=[dev.index])
+    _train(model, dev, steps)
     return all(torch.allclose(p.detach().cpu(), q, rtol=1e-5, atol=1e-5)
                for p, q in zip(model.parameters(), _local_params(n, steps)))
 
@@ -237,19 +244,13 @@ def _ddp_vs_local(dev: torch.device, steps: int = 3) -> bool:
 def _fsdp2_vs_local(dev: torch.device, steps: int = 3) -> bool:
     from torch.distributed.fsdp import fully_shard
 
-    rank, n = dist.get_rank(), dist.get_world_size()
+    n = dist.get_world_size()
     model = _model().to(dev)
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer)
     fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(steps):
-        x, y = _batch(step, n)
-        opt.zero_grad()
-        rows = slice(rank * 4, (rank + 1) * 4)
-        torch.nn.functional.mse_loss(model(x[rows].to(dev)), y[rows].to(dev)).backward()
-        opt.step()
+    _train(model, dev, steps)
     full = [p.full_tensor().detach().cpu() for p in model.parameters()]
     return all(torch.allclose(p, q, rtol=1e-5, atol=1e-5) for p, q in zip(full, _local_params(n, steps)))
 
