@@ -184,17 +184,6 @@ impl State {
         self.queue.iter().any(|j| j.ticket == ticket)
     }
 
-    /// Whether the thread in callback `own` (None: in none of the group's) must run job
-    /// `ticket` itself to complete it ([`Progress::anchor`], [`Progress::runs_here`]): not
-    /// for the callback's own job (it would wait for itself), nor for one finished or whose
-    /// results part has run already.
-    fn runs_here(&self, ticket: u64, own: Option<u64>) -> bool {
-        if own.is_none_or(|t| t == ticket) {
-            return false;
-        }
-        self.is_queued(ticket) || self.open.iter().any(|o| o.ticket == ticket && !o.parked.as_ref().is_some_and(|p| p.delivered))
-    }
-
     /// Whether thread `me` may start the front job now: nothing runs, and no anchored
     /// callback of another thread holds it back. After `close` cancelled the queue nothing
     /// is held back: those jobs do not run.
@@ -739,36 +728,19 @@ impl Progress {
     /// attached to it at once), and after those anchored before it. See the module docs.
     /// Nothing happens if the job's callback has returned already (the future was then
     /// complete when taken: callbacks attached to it run at once, on the attaching thread).
-    ///
-    /// Returns true when the future is taken in one of the group's callbacks while the job
-    /// has not finished: the caller should then run it at once ([`Progress::help_until`]),
-    /// as a wait would, so that the future is complete when handed out, as NCCL's is (its
-    /// futures complete at enqueue). Otherwise a callback that waited for it would wait for
-    /// good: the job could only run after that callback had returned.
-    pub fn anchor(&self, ticket: u64) -> bool {
-        let own = self.shared.own_callback();
+    pub fn anchor(&self, ticket: u64) {
+        let in_callback = self.shared.own_callback().is_some();
         let mut st = lock(&self.shared.state);
-        let after = if own.is_some() { ticket } else { st.last_plain.max(ticket) };
+        let after = if in_callback { ticket } else { st.last_plain.max(ticket) };
         let anchor = Some(Anchor { after, n: st.next_anchor });
         if let Some(job) = st.queue.iter_mut().find(|j| j.ticket == ticket) {
             job.anchor = anchor;
         } else if let Some(o) = st.open.iter_mut().find(|o| o.ticket == ticket) {
             o.anchor = anchor;
         } else {
-            return false;
+            return;
         }
         st.next_anchor += 1;
-        st.runs_here(ticket, own)
-    }
-
-    /// Whether a caller that takes job `ticket`'s future again (its first taking went
-    /// through [`Progress::anchor`]) must run the job itself first: as for `anchor`, in
-    /// one of the group's callbacks while the job has not delivered its results, so that
-    /// the future it hands out is complete (a callback waiting for it would otherwise wait
-    /// for good).
-    pub fn runs_here(&self, ticket: u64) -> bool {
-        let own = self.shared.own_callback();
-        lock(&self.shared.state).runs_here(ticket, own)
     }
 
     fn ensure_thread(&self) {

@@ -425,12 +425,7 @@ def rank_futures_taken_late(rounds: int) -> dict:
       z1's on the ranks that ran it on the progress thread: reduced crosswise); the waited
       work is complete once ``wait`` returned or raised, its future done, and a callback
       attached to it then runs at once (z4 before z1), though the one attached earlier
-      has not run yet;
-    - *a future waited for*: w1, w2, w3 issued, then w1's callback takes w3's future
-      (first there, or again after the main thread took it) and waits for it (before: for
-      good on the ranks that ran it on the progress thread), then reduces v1, a callback
-      attached to that future v0, w2's v2: v0, v1, v2, with w3 complete and its result in
-      when the wait returns."""
+      has not run yet."""
     rank = dist.get_rank()
 
     def late() -> None:
@@ -517,32 +512,6 @@ def rank_futures_taken_late(rounds: int) -> dict:
         for f in futures:
             f.wait()
         res["waits_later"].append([t[0].item() for t in z])
-
-    res["future_waited"], res["future_waited_state"] = [], []
-    for taken_before in (False, True):
-        if rank == 0:
-            time.sleep(0.5)
-        v = [torch.full((4,), k * (rank + 1.0)) for k in (1, 10, 100)]
-        t3 = torch.full((4,), rank + 1.0)
-        works = [dist.all_reduce(torch.ones(4), async_op=True) for _ in range(2)]
-        works.append(dist.all_reduce(t3, async_op=True))
-        late()
-        if taken_before:  # the callback takes it again (no callback on it: see the README)
-            works[2].get_future()
-
-        def takes(fut, later=works[2], t3=t3, v=v):
-            f3 = later.get_future()
-            f3.wait()
-            res["future_waited_state"].append([later.is_completed(), f3.done(), t3[0].item()])
-            f3.then(lambda f: dist.all_reduce(v[0])).wait()
-            dist.all_reduce(v[1])
-
-        futures = [works[0].get_future().then(takes),
-                   works[1].get_future().then(lambda f, v=v: dist.all_reduce(v[2]))]
-        for f in futures:
-            f.wait()
-        works[2].wait()
-        res["future_waited"].append([t[0].item() for t in v])
     return res
 
 
@@ -770,8 +739,6 @@ def test_callbacks_of_futures_taken_late_keep_nccls_order(worlds, world_size):
         assert res["waiters"] == [[tri]] * 30, res
         assert res["waits_later"] == [[tri, 10 * tri, 100 * tri, 1000 * tri]] * 6, res
         assert res["waited_state"] == [[True, True]] * 5 and res["waited_failed"] == [[True, False, True]], res
-        assert res["future_waited"] == [[tri, 10 * tri, 100 * tri]] * 2, res
-        assert res["future_waited_state"] == [[True, True, tri]] * 2, res
 
 
 def test_ddp_powersgd_hook_on_several_buckets_trains_as_with_inline_calls(worlds):

@@ -100,11 +100,8 @@ class ShmWork:
             timeout; with the timeout in seconds otherwise, when it returns at once unless
             the waiting thread is in one of the group's completion callbacks, where no
             other thread may run the work (it then gives up after that long).
-        anchor: called by :meth:`_future_taken` with ``first``: at the future's first
-            taking (True) it tells the group that callbacks may be attached to it
-            (``Progress::anchor`` in the core); either way it returns True when the future
-            is taken in one of the group's completion callbacks before the call has
-            delivered its results, which then runs it at once (``help``).
+        anchor: called (no arguments) by :meth:`_future_taken`: tells the group that
+            callbacks may be attached to the work's future (``Progress::anchor`` in the core).
     """
 
     # Defaults of a completed, successful work, kept on the class: the common, latency-
@@ -112,7 +109,7 @@ class ShmWork:
     _error: Optional[BaseException] = None
     _abort: Optional[Callable[[], None]] = None
     _help: Optional[Callable[[], None]] = None
-    _anchor: Optional[Callable[[bool], bool]] = None
+    _anchor: Optional[Callable[[], None]] = None
     _done = _COMPLETED
     _lock = _NO_LOCK
     #: Functions to call with the error (or None) when the work completes; None once it has.
@@ -122,7 +119,7 @@ class ShmWork:
 
     def __init__(self, outputs: list[torch.Tensor], error: Optional[BaseException] = None, *,
                  pending: bool = False, abort: Optional[Callable[[], None]] = None,
-                 help: Optional[Callable[[], None]] = None, anchor: Optional[Callable[[bool], bool]] = None):
+                 help: Optional[Callable[[], None]] = None, anchor: Optional[Callable[[], None]] = None):
         self._outputs = outputs
         if error is not None:
             self._error = error
@@ -143,35 +140,19 @@ class ShmWork:
                 return
         fn(*args, self._error)
 
-    def _future_taken(self, first: bool = True) -> bool:
-        """Called by the c10d adapter when the work's future is taken while the work is
-        pending (``first``: for the first time). The first time, callbacks attached to the
-        future (``then``) may issue collectives
+    def _future_taken(self) -> None:
+        """Called by the c10d adapter when the work's future is first taken, while the
+        work is pending: callbacks attached to the future (``then``) may issue collectives
         when it completes, and the group places those calls right after the calls issued
         up to now, on every rank alike, as NCCL does (its futures complete at enqueue, so a
         callback runs as it is attached). Without this, whether a later call went first
         depended on which thread got there first (torch's PowerSGD hook on several DDP
-        buckets: ranks disagreed).
-
-        Taken (first or again) in one of the group's completion callbacks before the call
-        has run, the future would complete only after that callback had returned, so a
-        callback that waited for it (``get_future().wait()``) would wait for good: the call
-        runs here first, as :meth:`wait` would run it, and the work completes (early, its
-        own callbacks still after this one's). Returns True when it ran the call here (its
-        error, if any, is the work's: :meth:`wait` and the future raise it)."""
-        if self._anchor is None or self._done.is_set():
-            return False
-        try:
-            here = self._anchor(first)
-        except Exception:  # noqa: BLE001  a group closed or not this process's: nothing to order
-            return False
-        if not here or self._help is None:
-            return False
-        try:
-            self._help()
-        except Exception:  # noqa: BLE001  the group was closed meanwhile: the work says so
-            pass
-        return True
+        buckets: ranks disagreed)."""
+        if self._anchor is not None and not self._done.is_set():
+            try:
+                self._anchor()
+            except Exception:  # noqa: BLE001  a group closed or not this process's: nothing to order
+                pass
 
     def _complete(self, error: Optional[BaseException] = None, *, early: bool = False) -> None:
         """Mark the work finished (with ``error`` if it failed) and tell its callbacks.
@@ -308,10 +289,11 @@ class CoalescedWork:
         for i, work in enumerate(works):
             work._on_complete(lambda error, i=i: one(i, error))
 
-    def _future_taken(self, first: bool = True) -> bool:
+    def _future_taken(self) -> None:
         """The batch's future is settled by its last work's completion: that one anchors
-        (:meth:`ShmWork._future_taken`), and, taken in a callback, runs the batch here."""
-        return bool(self._works) and self._works[-1]._future_taken(first)
+        (:meth:`ShmWork._future_taken`)."""
+        if self._works:
+            self._works[-1]._future_taken()
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
         """Wait for every work of the batch (each with ``timeout``); raises the first error."""

@@ -497,22 +497,11 @@ communicator_methods! {
         /// `Work::getFuture`, which may attach callbacks that issue calls): while its
         /// callback runs, calls queued after this moment wait, and calls that callback
         /// issues go before them, on every rank alike (`Progress::anchor`). Ticket 0 or a
-        /// call already finished: nothing to do. Returns True when the future is taken in
-        /// one of the group's completion callbacks while the call has not finished: the
-        /// caller then runs it at once (`wait_ticket`), so that the future it hands out is
-        /// complete, as NCCL's is.
-        fn anchor(&self, ticket: u64) -> PyResult<bool> {
+        /// call already finished: nothing to do.
+        fn anchor(&self, ticket: u64) -> PyResult<()> {
             self.check_owner()?;
-            Ok(self.inner.anchor(ticket))
-        }
-
-        /// Whether a future of the call that returned `ticket`, taken again now, must be
-        /// completed first by running the call on this thread (`wait_ticket`), as at its
-        /// first taking (`anchor`): in one of the group's completion callbacks, before the
-        /// call has delivered its results (`Progress::runs_here`).
-        fn runs_here(&self, ticket: u64) -> PyResult<bool> {
-            self.check_owner()?;
-            Ok(self.inner.runs_here(ticket))
+            self.inner.anchor(ticket);
+            Ok(())
         }
 
         /// Whether group rank `peer` has closed the group (``destroy_process_group``) while

@@ -830,51 +830,6 @@ fn progress_a_job_waited_for_by_an_earlier_anchored_callback_delivers_results_fi
     }
 }
 
-/// `Progress::anchor` and `Progress::runs_here` say when the caller must run the job
-/// itself: only for a future taken in one of the group's callbacks, of another job that
-/// has not delivered its results. Three jobs queued ([`rank0_log`]), the first's future
-/// taken outside callbacks (false); its callback takes the third's (true; the second,
-/// queued, too), runs it (results first: its callback stays parked until this one
-/// returns), then asks again for the third (results in) and for its own job (it would
-/// wait for itself): false both.
-#[test]
-fn progress_anchor_asks_a_callback_to_run_a_later_job_whose_future_it_takes() {
-    let log = rank0_log(6, |prog, log| {
-        let (p1, l1) = (Arc::clone(prog), Arc::clone(log));
-        let first = prog.submit(
-            Box::new(|c| c.barrier()),
-            Box::new(move |res| {
-                res.unwrap();
-                let (run_here, queued) = (p1.anchor(3), p1.runs_here(2));
-                l1.lock().unwrap().push(format!("take 3: {run_here}, 2 queued: {queued}"));
-                if run_here {
-                    p1.help_until(3);
-                }
-                let (again, own) = (p1.anchor(3) || p1.runs_here(3), p1.anchor(1) || p1.runs_here(1));
-                l1.lock().unwrap().push(format!("again 3: {again}, own: {own}"));
-                l1.lock().unwrap().push("1 returned".to_string());
-            }),
-        );
-        let note = |what: &'static str| {
-            let log = Arc::clone(log);
-            move |res: flagos_shm::Result<()>| {
-                res.unwrap();
-                log.lock().unwrap().push(what.to_string());
-            }
-        };
-        prog.submit(Box::new(|c| c.barrier()), Box::new(note("2")));
-        let delivered = note("3 results");
-        let results: flagos_shm::progress::Results = Box::new(move |res| {
-            delivered(res);
-            None
-        });
-        let third = prog.submit_with_results(Box::new(|c| c.barrier()), Some(results), Box::new(note("3 done")));
-        assert_eq!((first, third), (1, 3));
-        assert!(!prog.anchor(first) && !prog.runs_here(first), "taken outside the group's callbacks: the progress thread runs it");
-    });
-    assert_eq!(log, ["take 3: true, 2 queued: true", "2", "3 results", "again 3: false, own: false", "1 returned", "3 done"]);
-}
-
 #[test]
 fn too_short_buffers_are_refused_by_name_and_nothing_is_written() {
     // Each case: rank 1 passes a buffer one element short; rank 1 gets InvalidArgument

@@ -487,7 +487,7 @@ class CollectiveBase:
             ticket = 0
             work = ShmWork(outputs, pending=True, abort=self.abort,
                            help=lambda *timeout_s: comm.wait_ticket(ticket, *timeout_s),
-                           anchor=lambda first: comm.anchor(ticket) if first else comm.runs_here(ticket))
+                           anchor=lambda: comm.anchor(ticket))
 
             def done(error, _inputs=inputs, *, early: bool = False) -> None:  # the core holds done, done the inputs
                 work._complete(None if error is None else self._error(name, error), early=early)
@@ -540,7 +540,7 @@ class CollectiveBase:
         comm = self._comm
         work = ShmWork(outputs, pending=True, abort=self.abort,
                        help=lambda *timeout_s: comm.wait_ticket(tickets[0], *timeout_s),
-                       anchor=lambda first: comm.anchor(tickets[0]) if first else comm.runs_here(tickets[0]))
+                       anchor=lambda: comm.anchor(tickets[0]))
         # The core only holds raw addresses: everything the calls read or write (captured
         # by the ``calls`` closures: inputs, scratch and packed buffers) must stay alive
         # until the last call has finished.

@@ -219,39 +219,33 @@ class ShmWork : public c10d::Work {
   c10::intrusive_ptr<c10::ivalue::Future> getFuture() override {
     std::unique_lock<std::mutex> lock(mutex_);
     if (completed_ && !finished_) {
-      return earlyFuture(lock);
+      // Completed early (see completedEarly): a future taken now is complete, as NCCL's
+      // would be, so waiting for it returns and a callback attached to it runs at once;
+      // future_'s own callbacks still run when complete() settles it.
+      auto error = exception_;
+      lock.unlock();
+      auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+      settle(future, error);
+      return future;
     }
-    const bool first = !future_;
-    if (first) {
+    if (!future_) {
       future_ = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
+      auto future = future_;
       if (finished_) {
-        auto future = future_;
         auto error = exception_;
         lock.unlock();
         settle(future, error);
         return future;
       }
+      lock.unlock();
+      // Callbacks may now be attached that issue collectives when the work completes: the
+      // group places those calls here, before any issued later (ShmWork._future_taken).
+      // Not under mutex_: complete() takes it with the GIL held.
+      PythonCall gil;
+      work_.attr("_future_taken")();
+      return future;
     }
-    auto future = future_;
-    if (finished_) {
-      return future;  // settled by complete()
-    }
-    lock.unlock();
-    // The first time, callbacks may now be attached that issue collectives when the work
-    // completes: the group places those calls here, before any issued later. Taken in one
-    // of the group's completion callbacks before the call has run, the call runs here
-    // first, as a wait would run it (ShmWork._future_taken), and the future handed out is
-    // complete (see above), not one that completes only after that callback has returned.
-    // Not under mutex_: complete() takes it with the GIL held.
-    PythonCall gil;
-    if (work_.attr("_future_taken")(first).cast<bool>()) {
-      completedEarly();
-      std::unique_lock<std::mutex> relock(mutex_);
-      if (completed_ && !finished_) {
-        return earlyFuture(relock);
-      }
-    }
-    return future;
+    return future_;
   }
 
   std::vector<at::Tensor> result() override {
@@ -314,18 +308,6 @@ class ShmWork : public c10d::Work {
       completed_ = true;
       exception_ = eptr;
     }
-  }
-
-  // For a work completed early (see completedEarly; `lock` holds mutex_, released here): a
-  // fresh future, settled now, as NCCL's would be, so that waiting for it returns and a
-  // callback attached to it runs at once; future_'s own callbacks still run when
-  // complete() settles it.
-  c10::intrusive_ptr<c10::ivalue::Future> earlyFuture(std::unique_lock<std::mutex>& lock) {
-    auto error = exception_;
-    lock.unlock();
-    auto future = c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()));
-    settle(future, error);
-    return future;
   }
 
   void settle(const c10::intrusive_ptr<c10::ivalue::Future>& future, const std::exception_ptr& error) {

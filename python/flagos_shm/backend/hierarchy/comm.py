@@ -156,15 +156,9 @@ class HierarchicalComm(Algorithms, Protocol):
         """``Communicator.wait_ticket``: see :meth:`_Worker.wait`."""
         self._worker.wait(ticket, timeout_s)
 
-    def anchor(self, ticket: int) -> bool:
-        """The future of call ``ticket`` has been taken (:meth:`_Worker.anchor`); True when
-        the caller should run the call now (``Communicator.anchor``)."""
-        return self._worker.anchor(ticket)
-
-    def runs_here(self, ticket: int) -> bool:
-        """Whether a future of call ``ticket`` taken again now must first be completed on
-        this thread (:meth:`_Worker.runs_here`, ``Communicator.runs_here``)."""
-        return self._worker.runs_here(ticket)
+    def anchor(self, ticket: int) -> None:
+        """The future of call ``ticket`` has been taken (:meth:`_Worker.anchor`)."""
+        self._worker.anchor(ticket)
 
     # ---- dispatch ---------------------------------------------------------------------------
 

@@ -114,44 +114,22 @@ class _Worker:
                 self._busy = False
                 self._cv.notify_all()
 
-    def anchor(self, ticket: int) -> bool:
+    def anchor(self, ticket: int) -> None:
         """The future of call ``ticket`` has been taken: calls its ``done`` issues go after
         the last call issued now other than from a callback (after the call itself if that
         is later, or if the future is taken in a callback), after those of callbacks anchored
-        before (``Progress::anchor`` in the core). Returns True when taken in one of the
-        worker's callbacks before the call has finished: the caller then runs it at once
-        (:meth:`wait`), so that the future it hands out is complete, as NCCL's is."""
-        own = self._own()
+        before (``Progress::anchor`` in the core)."""
+        in_callback = self._own() is not None
         with self._cv:
-            anchor = (ticket if own is not None else max(self._last_plain, ticket), self._anchors)
+            anchor = (ticket if in_callback else max(self._last_plain, ticket), self._anchors)
             job = next((job for job in self._jobs if job[0] == ticket), None)
             if job is not None:
                 job[3] = anchor
             elif ticket in self._open:
                 self._open[ticket] = anchor
             else:
-                return False
+                return
             self._anchors += 1
-            return self._runs_here(ticket, own)
-
-    def runs_here(self, ticket: int) -> bool:
-        """Whether a future of call ``ticket`` taken again now (its first taking went
-        through :meth:`anchor`) must first be completed by running the call on this thread,
-        as at its first taking (``Progress::runs_here`` in the core)."""
-        own = self._own()
-        with self._cv:
-            return self._runs_here(ticket, own)
-
-    def _runs_here(self, ticket: int, own: Optional[int]) -> bool:
-        """(Condition held.) In callback ``own`` (None: in none), whether call ``ticket``
-        must be run on this thread to complete: not the callback's own call (it would wait
-        for itself), nor one finished or whose results part has run already."""
-        if own is None or own == ticket:
-            return False
-        entry = self._parked.get(ticket)
-        if entry is not None:
-            return not entry[3]
-        return ticket in self._open or any(job[0] == ticket for job in self._jobs)
 
     def wait(self, ticket: int, timeout_s: Optional[float] = None) -> None:
         """Return once call ``ticket`` has finished (``done`` returned) or the worker was
