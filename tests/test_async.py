@@ -260,6 +260,45 @@ def rank_timed_wait_in_callback() -> dict:
     return out
 
 
+def rank_future_taken_in_callback_across_groups() -> dict:
+    """A completion callback that takes a later work's future only to chain on it, then
+    calls on another group, as NCCL allows (each group's calls in the same order on every
+    rank): rank 0 issues A1 and A3 on group A, and A1's callback takes A3's future and
+    reduces y on group B; rank 1 reduces y on B before it issues A3. Taking the future must
+    not run A3 (it needs rank 1, which waits on B for the callback): a build that did
+    deadlocked until the groups' timeout (a review, 2026-12-07)."""
+    rank = dist.get_rank()
+    ranks = list(range(dist.get_world_size()))
+    a, b = dist.new_group(ranks, timeout=timedelta(seconds=20)), dist.new_group(ranks, timeout=timedelta(seconds=20))
+    a1, a3, y = torch.full((4,), rank + 1.0), torch.full((4,), 10 * (rank + 1.0)), torch.full((4,), 100 * (rank + 1.0))
+    out = {}
+    try:
+        if rank == 0:
+            w1 = dist.all_reduce(a1, group=a, async_op=True)
+            w3 = dist.all_reduce(a3, group=a, async_op=True)
+
+            def chains(fut) -> None:
+                f3 = w3.get_future()
+                out["chained"] = f3.then(lambda f: f.value()[0][0].item())
+                dist.all_reduce(y, group=b)
+
+            w1.get_future().then(chains).wait()
+            w3.wait()
+            out["chained"] = out["chained"].wait()
+        else:
+            time.sleep(0.3)  # rank 0's callback is attached before A1 can complete
+            w1 = dist.all_reduce(a1, group=a, async_op=True)
+            dist.all_reduce(y, group=b)
+            w3 = dist.all_reduce(a3, group=a, async_op=True)
+            w1.wait()
+            w3.wait()
+        out["values"] = [a1[0].item(), a3[0].item(), y[0].item()]
+    finally:
+        dist.destroy_process_group(a)
+        dist.destroy_process_group(b)
+    return out
+
+
 def rank_idle_thread(idle_s: float) -> dict:
     """After async calls, the group's progress thread parks on its condition variable and
     does not wake while nothing is submitted, nor for synchronous calls (the core counts its wakeups: no CPU-time
@@ -627,6 +666,12 @@ def test_wait_timeout_in_a_callback_gives_up_after_the_timeout(worlds):
     assert r0["never"] == [True, False], r0
     for res in (r0, r1):
         assert res["later"].startswith("RuntimeError") and "abort" in res["later"], res
+
+
+def test_taking_a_later_future_in_a_callback_does_not_run_the_call(worlds):
+    r0, r1 = worlds(2).run(rank_future_taken_in_callback_across_groups)
+    assert r0["values"] == r1["values"] == [3.0, 30.0, 300.0], (r0, r1)
+    assert r0["chained"] == 30.0, r0
 
 
 def test_idle_progress_thread_sleeps_without_waking(worlds):
