@@ -48,7 +48,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
-/// How often [`Progress::help_until_or`] asks its `stop` hook while it waits.
+/// How often [`Progress::help_until_by`] asks its `stop` hook while it waits.
 pub const STOP_CHECK: std::time::Duration = std::time::Duration::from_millis(20);
 
 /// A collective to run on the communicator.
@@ -127,7 +127,7 @@ struct Parked {
     delivered: bool,
 }
 
-/// What [`Progress::help_until_or`] does next on the waiting thread.
+/// What [`Progress::help_until_by`] does next on the waiting thread.
 enum Helped {
     /// Run a queued job, claimed `seq`-th.
     Job(Job, u64),
@@ -662,18 +662,14 @@ impl Progress {
     /// here, on the calling thread, in issue order: a caller that waits right after
     /// submitting (`async_op=True` then `wait()`) does not pay for a thread switch.
     pub fn help_until(&self, ticket: u64) {
-        self.help_until_or(ticket, &|| false);
+        self.help_until_by(ticket, &|| false, None);
     }
 
     /// [`Self::help_until`], giving up when `stop()` returns `true` (checked every
-    /// [`STOP_CHECK`] while the job runs elsewhere, with no lock held; e.g. Ctrl-C).
-    /// Returns `false` when it gave up; the job itself goes on.
-    pub fn help_until_or(&self, ticket: u64, stop: &dyn Fn() -> bool) -> bool {
-        self.help_until_by(ticket, stop, None)
-    }
-
-    /// [`Self::help_until_or`], giving up at `deadline` too (a wait with a timeout): a job
-    /// it runs on this thread gets at most the time left ([`Shared::execute_by`]).
+    /// [`STOP_CHECK`] while the job runs elsewhere, with no lock held; e.g. Ctrl-C) or at
+    /// `deadline` (a wait with a timeout: a job it runs on this thread gets at most the
+    /// time left, [`Shared::execute_by`]). Returns `false` when it gave up; the job itself
+    /// goes on.
     pub fn help_until_by(&self, ticket: u64, stop: &dyn Fn() -> bool, deadline: Option<Instant>) -> bool {
         let _suspended = self.shared.suspend();
         let me = std::thread::current().id();
