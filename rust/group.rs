@@ -401,6 +401,16 @@ impl Communicator {
     pub fn set_timeout(&mut self, t: Duration) {
         self.timeout = t;
     }
+    /// Runs `f` with the timeout set to `t` (when given) for this call only.
+    pub fn with_timeout<R>(&mut self, t: Option<Duration>, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        let saved = self.timeout;
+        if let Some(t) = t {
+            self.timeout = t;
+        }
+        let r = f(self);
+        self.timeout = saved;
+        r
+    }
     pub fn set_interrupt(&mut self, hook: Option<InterruptHook>) {
         self.interrupt = hook;
     }

@@ -374,15 +374,9 @@ impl Shared {
         let result = if cancelled {
             Err(Error::Aborted(SHUT_DOWN.into()))
         } else {
-            self.with_comm(|comm| match deadline {
-                None => (job.task)(comm),
-                Some(d) => {
-                    let saved = comm.timeout();
-                    comm.set_timeout(saved.min(d.saturating_duration_since(Instant::now())));
-                    let result = (job.task)(comm);
-                    comm.set_timeout(saved);
-                    result
-                }
+            self.with_comm(|comm| {
+                let t = deadline.map(|d| comm.timeout().min(d.saturating_duration_since(Instant::now())));
+                comm.with_timeout(t, job.task)
             })
         };
         self.release();

@@ -100,7 +100,7 @@ impl PyCommunicator {
         // thread to take the GIL (exit.rs).
         detach_blocking(py, || {
             self.inner.run(|comm| {
-                let out = with_timeout(comm, t, f);
+                let out = comm.with_timeout(t, f);
                 exit::returning();
                 out
             })
@@ -137,7 +137,7 @@ impl PyCommunicator {
             let result = Arc::new(Mutex::new(None));
             let slot = Arc::clone(&result);
             let ticket = self.inner.submit(
-                Box::new(move |comm| with_timeout(comm, t, f)),
+                Box::new(move |comm| comm.with_timeout(t, f)),
                 Box::new(move |r| *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(r)),
             );
             detach_blocking(py, || self.inner.help_until(ticket));
@@ -165,7 +165,7 @@ impl PyCommunicator {
         };
         let pending = Arc::clone(&self.pending);
         let ticket = self.inner.submit_with_results(
-            Box::new(move |comm| with_timeout(comm, t, f)),
+            Box::new(move |comm| comm.with_timeout(t, f)),
             Some(results),
             Box::new(move |result| complete(&cell, &pending, result, false)),
         );
@@ -255,21 +255,6 @@ fn complete(cell: &Mutex<Option<Py<PyAny>>>, pending: &Pending, result: Result<(
         }
         drop(callback);
     })
-}
-
-/// Runs `f` with the communicator's timeout set to `t` (when given) for this call only.
-fn with_timeout<R>(
-    comm: &mut Communicator,
-    t: Option<Duration>,
-    f: impl FnOnce(&mut Communicator) -> Result<R, Error>,
-) -> Result<R, Error> {
-    let saved = comm.timeout();
-    if let Some(t) = t {
-        comm.set_timeout(t);
-    }
-    let r = f(comm);
-    comm.set_timeout(saved);
-    r
 }
 
 impl PyCommunicator {
