@@ -97,3 +97,25 @@ def test_null_address_with_bytes_is_refused_before_the_call(worlds, backend):
         pytest.skip("drives flagos_shm's core directly")
     for msg in worlds(1).run(rank_null_with_bytes):
         assert msg.startswith("ptr: null buffer address"), msg
+
+
+def rank_bad_wait_timeouts() -> list:
+    comm = _comm()
+    out = []
+    for seconds in (float("nan"), -1.0):
+        try:
+            comm.wait_ticket(0, seconds)
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    comm.wait_ticket(0, 0.5)  # a valid timeout off-callback: returns at once
+    return out
+
+
+def test_wait_ticket_refuses_a_nan_or_negative_timeout_by_name(worlds, backend):
+    # Before, a NaN timeout passed unchecked (off-callback) or panicked the binding (in a
+    # callback, Duration::from_secs_f64).
+    if backend != "flagos_shm":
+        pytest.skip("drives flagos_shm's core directly")
+    for msgs in worlds(1).run(rank_bad_wait_timeouts):
+        assert [m.split(",")[0] for m in msgs] == ["timeout_s: expected a non-negative number of seconds"] * 2, msgs

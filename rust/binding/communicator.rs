@@ -20,6 +20,10 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// The longest a timed `wait_ticket` waits (about 31 years): a longer timeout, which
+/// `timeout_s` allows, would overflow an `Instant`.
+const LONGEST_WAIT: Duration = Duration::from_secs(1_000_000_000);
+
 /// One rank's handle on a group's shared-memory segment (see `rust/algorithms/`).
 ///
 /// `Communicator(path, rank, world_size, timeout_s, peer_pids=None, single_copy=True,
@@ -457,13 +461,14 @@ communicator_methods! {
         /// call (the caller then waits for its completion itself, up to its timeout);
         /// there it gives up, returning, once `timeout_s` has passed (a call it runs itself
         /// gets at most the time left as its timeout, and then fails with `Timeout`).
+        /// ValueError naming `timeout_s` for a negative or NaN one.
         #[pyo3(signature = (ticket, timeout_s=None))]
         fn wait_ticket(&self, py: Python<'_>, ticket: u64, timeout_s: Option<f64>) -> PyResult<()> {
             self.check_owner()?;
-            let deadline = match timeout_s {
+            let deadline = match timeout(timeout_s)? {
                 None => None,
                 Some(_) if !self.inner.in_own_callback() => return Ok(()),
-                Some(t) => Some(Instant::now() + Duration::from_secs_f64(t.clamp(0.0, 1e9))),
+                Some(t) => Some(Instant::now() + t.min(LONGEST_WAIT)),
             };
             let raised: Pending = Arc::new(Mutex::new(None));
             let stop = || exit::signal_raised(&raised);
