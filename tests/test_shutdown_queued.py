@@ -189,6 +189,43 @@ def test_calls_after_the_exit_handler_run_inline():
         assert res == {"completed_at_return": True, "value": 6.0}, (rank, res)
 
 
+def rank_daemon_thread_calls_after_the_exit_handler(rank: int, world_size: int, tmp: str) -> dict:
+    import threading
+
+    import flagos_shm  # noqa: F401  (registers the backend and its exit handler)
+    from flagos_shm.backend import exiting
+
+    dist.init_process_group("flagos_shm", init_method="file://" + os.path.join(tmp, "store"), rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    # the exit handler's first step; its later ones keep the core's threads out of Python,
+    # which would park the thread in the core, before it reaches the adapter
+    exiting.exit_handler_begins()
+    out = {}
+
+    def call() -> None:
+        out["ident"] = threading.get_ident()
+        t = torch.full((16,), float(rank + 1))
+        dist.all_reduce(t)
+        out["returned"] = t[0].item()
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + GROUP_TIMEOUT_S  # one of the two ends comes in milliseconds
+    while "returned" not in out and out.get("ident") not in exiting._parked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"parked": out.get("ident") in exiting._parked, "returned": out.get("returned")}
+
+
+def test_a_daemon_threads_call_after_the_exit_handler_parks_in_the_adapter():
+    """Once the exit handler has begun, a daemon thread whose call succeeds parks in the C++
+    adapter instead of going back through torch's frames (``exiting.returning_at_exit``): the
+    handler tells the adapter, which registered itself when it was loaded
+    (``exiting.tell_when_exit_begins``). Untold, the call returned the sum."""
+    for rank, res in enumerate(spawn(rank_daemon_thread_calls_after_the_exit_handler, 2,
+                                     timeout=3 * GROUP_TIMEOUT_S)):
+        assert res == {"parked": True, "returned": None}, (rank, res)
+
+
 # A C function the interpreter runs at the very end of its finalization (``Py_AtExit``):
 # it says so in a file, then keeps the process alive for a while, so that a daemon thread's
 # call can end while the interpreter is finalized.

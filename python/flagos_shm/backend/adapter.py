@@ -24,7 +24,7 @@ import torch
 import torch.distributed.distributed_c10d as c10d
 
 from .. import _cxx, staging
-from . import dynamo, rendezvous
+from . import dynamo, exiting, rendezvous
 from .group import ShmGroup
 
 __all__ = ["create_backend", "known_peers", "native", "process_group", "shm_part"]
@@ -59,6 +59,7 @@ def native():
                 spec.loader.exec_module(module)
                 # the adapter's own staging pool keeps what the Python one does
                 module.set_pinned_pool_limit(staging.pinned_pool().limit_bytes)
+                exiting.tell_when_exit_begins(module.exit_handler_begins)
                 sys.modules.setdefault(_MODULE, module)
                 _module = module
     return _module

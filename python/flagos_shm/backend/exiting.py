@@ -49,7 +49,7 @@ import os
 import sys
 import threading
 import time
-from typing import Dict, Set, Tuple
+from typing import Callable, Dict, List, Set, Tuple
 
 import torch.distributed
 
@@ -61,10 +61,15 @@ _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 #: Where torch.distributed's Python files are: the frames that call into c10d's C++.
 _TORCH_DISTRIBUTED_DIR = os.path.dirname(os.path.abspath(torch.distributed.__file__)) + os.sep
 
-__all__ = ["exit_handler_begins", "leaving_with_error", "returning_at_exit", "wait_for_landings"]
+__all__ = ["exit_handler_begins", "leaving_with_error", "returning_at_exit", "tell_when_exit_begins",
+           "wait_for_landings"]
 
 #: Whether ``flagos_shm``'s ``atexit`` handler has begun (:func:`exit_handler_begins`).
 _exiting = False
+
+#: What :func:`exit_handler_begins` calls besides setting :data:`_exiting`
+#: (:func:`tell_when_exit_begins`): the C++ adapter's own flag, once it is loaded.
+_told: List[Callable[[], None]] = []
 
 #: {thread ident: (id of the frame that made the call, its instruction offset then)}: the
 #: threads that left a failed call for Python and may not have taken the GIL back yet.
@@ -93,10 +98,18 @@ def exit_handler_begins() -> None:
     succeeds (module docs)."""
     global _exiting
     _exiting = True
-    from . import adapter  # loaded by then if any group was made; never built here
+    for tell in _told:
+        tell()
 
-    if adapter._module is not None:
-        adapter._module.exit_handler_begins()
+
+def tell_when_exit_begins(tell: Callable[[], None]) -> None:
+    """Have :func:`exit_handler_begins` call ``tell()`` (no arguments; it must not raise);
+    at once if it has begun already. The C++ adapter's loader
+    (:func:`flagos_shm.backend.adapter.native`) registers the adapter's flag this way, so
+    this module, below the adapter, does not import it."""
+    _told.append(tell)
+    if _exiting:
+        tell()
 
 
 def returning_at_exit() -> bool:
