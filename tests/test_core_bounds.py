@@ -13,10 +13,14 @@ import torch.distributed as dist
 pytestmark = pytest.mark.timeout(120)
 
 
-def _comm():
+def _part():
     import flagos_shm
 
-    return flagos_shm.backend.shm_part(dist.distributed_c10d._get_default_group())._comm
+    return flagos_shm.backend.shm_part(dist.distributed_c10d._get_default_group())
+
+
+def _comm():
+    return _part()._comm
 
 
 def rank_short_buffers() -> dict:
@@ -119,3 +123,28 @@ def test_wait_ticket_refuses_a_nan_or_negative_timeout_by_name(worlds, backend):
         pytest.skip("drives flagos_shm's core directly")
     for msgs in worlds(1).run(rank_bad_wait_timeouts):
         assert [m.split(",")[0] for m in msgs] == ["timeout_s: expected a non-negative number of seconds"] * 2, msgs
+
+
+def rank_huge_timeouts() -> list:
+    comm = _comm()
+    t = torch.full((4,), float(dist.get_rank() + 1))
+    comm.allreduce(t.data_ptr(), t.nbytes, t.numel(), "float32", 0, timeout_s=1e19)  # per call
+    after_one = t.tolist()
+    comm.set_timeout(1e19)  # the group's own, used by the next call
+    try:
+        comm.allreduce(t.data_ptr(), t.nbytes, t.numel(), "float32", 0)
+    finally:
+        comm.set_timeout(_part()._timeout_s)
+    return [after_one, t.tolist()]
+
+
+def test_a_timeout_of_centuries_waits_instead_of_overflowing(worlds, backend):
+    # Before, a timeout_s between about 9.2e18 and 1.8e19 seconds (a valid Duration, but a
+    # deadline beyond what an Instant holds) panicked in the core: "overflow when adding
+    # duration to instant". Now every timeout_s is capped at about 31 years.
+    if backend != "flagos_shm":
+        pytest.skip("drives flagos_shm's core directly")
+    world = worlds(2)
+    for res in world.run(rank_huge_timeouts):
+        assert res == [[3.0] * 4, [6.0] * 4], res  # 1 + 2, then 3 + 3
+

@@ -18,11 +18,7 @@ use pyo3::types::PyDict;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
-/// The longest a timed `wait_ticket` waits (about 31 years): a longer timeout, which
-/// `timeout_s` allows, would overflow an `Instant`.
-const LONGEST_WAIT: Duration = Duration::from_secs(1_000_000_000);
+use std::time::Instant;
 
 /// One rank's handle on a group's shared-memory segment (see `rust/algorithms/`).
 ///
@@ -468,7 +464,7 @@ communicator_methods! {
             let deadline = match timeout(timeout_s)? {
                 None => None,
                 Some(_) if !self.inner.in_own_callback() => return Ok(()),
-                Some(t) => Some(Instant::now() + t.min(LONGEST_WAIT)),
+                Some(t) => Some(Instant::now() + t),
             };
             let raised: Pending = Arc::new(Mutex::new(None));
             let stop = || exit::signal_raised(&raised);

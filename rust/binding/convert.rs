@@ -13,9 +13,15 @@ use pyo3::types::{PyBool, PyDict, PyInt};
 use std::collections::{BTreeMap, HashMap};
 use std::time::Duration;
 
-/// `secs` (argument `name`) as a duration; ValueError for a negative, NaN or huge value.
+/// The longest timeout the core is given (about 31 years): a deadline further out, which a
+/// `Duration` holds, would overflow an `Instant` (a panic, seen with `timeout_s=1e19`).
+const LONGEST_TIMEOUT: Duration = Duration::from_secs(1_000_000_000);
+
+/// `secs` (argument `name`) as a duration, at most [`LONGEST_TIMEOUT`]; ValueError for a
+/// negative, NaN or infinite value, or one beyond a `Duration` (over 2**64 seconds).
 pub(super) fn duration(name: &str, secs: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(secs)
+        .map(|d| d.min(LONGEST_TIMEOUT))
         .map_err(|_| PyValueError::new_err(format!("{name}: expected a non-negative number of seconds, got {secs}")))
 }
 
